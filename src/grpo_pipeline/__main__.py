@@ -1,0 +1,47 @@
+"""`python -m grpo_pipeline [group=option ...] [key=value ...]`: one Hydra job = one GRPO run.
+
+A PipelineError (bad config, broken env) ends the job with its one-paragraph message and exit code 2;
+set GRPO_PIPELINE_TRACEBACK=1 to see the Python traceback too.
+"""
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.config.schema import register_configs
+from grpo_pipeline.errors import PipelineError
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from grpo_pipeline.recipe import train
+
+    overrides = list(HydraConfig.get().overrides.task)
+    try:
+        result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides)
+    except PipelineError as e:
+        if os.environ.get("GRPO_PIPELINE_TRACEBACK"):
+            raise
+        print(f"\nERROR: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")
+    # The value a sweeper (e.g. Optuna) maximises.
+    if result.eval_after:
+        return result.eval_after["mean_reward"]
+    return result.last_reward
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

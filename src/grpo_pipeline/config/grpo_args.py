@@ -1,0 +1,72 @@
+"""The one place where our config becomes TRL's `GRPOConfig`.
+
+User-facing names map onto TRL's: kl_coef -> beta, clip_range -> epsilon, max_new_tokens ->
+max_completion_length, batch_size -> per_device_train_batch_size, num_epochs -> num_train_epochs,
+vllm.mode (off|colocate|server) -> use_vllm + vllm_mode.
+"""
+
+from typing import Any
+
+import torch
+from trl import GRPOConfig
+
+from grpo_pipeline.config.schema import TrainConfig
+
+
+def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None) -> dict[str, Any]:
+    gen, loss, train, vllm = cfg.generation, cfg.loss, cfg.training, cfg.vllm
+    use_cpu = train.use_cpu if train.use_cpu is not None else not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {
+        "output_dir": output_dir,
+        "seed": cfg.seed,
+        # sampling
+        "num_generations": gen.num_generations,
+        "max_completion_length": gen.max_new_tokens,
+        "temperature": gen.temperature,
+        "top_k": gen.top_k,
+        "top_p": gen.top_p,
+        # loss
+        "loss_type": loss.loss_type,
+        "beta": loss.kl_coef,
+        "epsilon": loss.clip_range,
+        "epsilon_high": loss.epsilon_high,
+        "scale_rewards": loss.scale_rewards,
+        "mask_truncated_completions": loss.mask_truncated_completions,
+        "num_iterations": loss.num_iterations,
+        "reward_weights": reward_weights,
+        # optimisation
+        "learning_rate": train.learning_rate,
+        "lr_scheduler_type": train.lr_scheduler_type,
+        "warmup_steps": train.warmup_steps,
+        "max_steps": train.max_steps,
+        "num_train_epochs": train.num_epochs,
+        "per_device_train_batch_size": train.batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "max_grad_norm": train.max_grad_norm,
+        "bf16": train.bf16,
+        "use_cpu": use_cpu,
+        # logging and saving: metrics go to MLflow through our own callback (tracking.py)
+        "logging_steps": train.logging_steps,
+        "save_strategy": "steps" if train.save_steps > 0 else "no",
+        "save_steps": train.save_steps if train.save_steps > 0 else 500,
+        "save_total_limit": train.save_total_limit,
+        "report_to": "none",
+        "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
+        "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs
+        # generation backend
+        "use_vllm": vllm.mode != "off",
+    }
+    if vllm.mode != "off":
+        kwargs |= {
+            "vllm_mode": vllm.mode,
+            "vllm_tensor_parallel_size": vllm.tensor_parallel_size,
+            "vllm_gpu_memory_utilization": vllm.gpu_memory_utilization,
+            "vllm_server_base_url": vllm.server_base_url,
+            "vllm_server_host": vllm.server_host,
+            "vllm_server_port": vllm.server_port,
+        }
+    return kwargs
+
+
+def build_grpo_config(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None) -> GRPOConfig:
+    return GRPOConfig(**grpo_kwargs(cfg, output_dir, reward_weights))

@@ -1,0 +1,169 @@
+"""The structured config: one dataclass per group, registered in Hydra's ConfigStore.
+
+`conf/train.yaml` starts from `train_schema`, so every YAML option of every group is merged
+onto these dataclasses: a typo in a key or a wrong type fails at compose time, naming the full
+key (e.g. `Key 'lerning_rate' not in 'TrainingConfig' full_key: training.lerning_rate`).
+
+The `env` node is the one open node: `_target_` plus the constructor kwargs of the user's env
+class. Those kwargs are checked against the class signature at startup (see envs/loader.py).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    # Short label, used in run names.
+    name: str = MISSING
+    # tiny: random weights + tokenizer built in code | hub: transformers id or local folder |
+    # gguf: a GGUF file shipped inside a Python package, converted once to a cached safetensors folder.
+    source: str = "hub"
+    name_or_path: Optional[str] = None
+    gguf_package: Optional[str] = None
+    gguf_file: Optional[str] = None
+    dtype: str = "float32"
+    # Size of the tiny model (source=tiny only).
+    tiny_hidden_size: int = 64
+    tiny_num_layers: int = 2
+
+
+@dataclass
+class GenerationConfig:
+    # Completions sampled per prompt (the "group" of GRPO).
+    num_generations: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class LossConfig:
+    # TRL's loss_type: grpo | dr_grpo | dapo | bnpo | cispo | sapo
+    loss_type: str = "dapo"
+    # KL penalty towards the reference model (TRL's beta). 0 skips the reference model.
+    kl_coef: float = 0.0
+    # PPO-style clip range (TRL's epsilon); epsilon_high defaults to it when null.
+    clip_range: float = 0.2
+    epsilon_high: Optional[float] = None
+    # group | batch | none (Dr. GRPO recommends none).
+    scale_rewards: str = "group"
+    # Exclude completions cut at max_new_tokens from the loss (DAPO).
+    mask_truncated_completions: bool = False
+    # Policy updates per generation batch (mu in the paper).
+    num_iterations: int = 1
+
+
+@dataclass
+class VllmConfig:
+    # off | colocate | server
+    mode: str = "off"
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    server_base_url: Optional[str] = None
+    server_host: str = "0.0.0.0"
+    server_port: int = 8000
+    # GPUs dedicated to the vLLM server (server mode); the rest train.
+    server_gpus: int = 1
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    # null: chosen from the model family (see models.LORA_TARGETS).
+    target_modules: Optional[List[str]] = None
+    # Also write merged full weights next to the adapter.
+    save_merged: bool = False
+
+
+@dataclass
+class RewardConfig:
+    # Weight of the env's score_episode score; 0 drops it.
+    env_weight: float = 1.0
+    # name -> {_target_: a reward callable, weight: float, **kwargs}
+    components: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainingConfig:
+    learning_rate: float = 1e-5
+    lr_scheduler_type: str = "constant"
+    # An int >= 1 is a number of steps; a float < 1 a share of all steps.
+    warmup_steps: float = 0.0
+    # -1: run num_epochs over the training split.
+    max_steps: int = -1
+    num_epochs: float = 1.0
+    # Completions per device per optimizer step (TRL's per_device_train_batch_size).
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+    logging_steps: int = 1
+    # Checkpoint every N steps (0: none); keep the last save_total_limit.
+    save_steps: int = 0
+    save_total_limit: int = 2
+    bf16: bool = False
+    # null: CPU when no GPU is present.
+    use_cpu: Optional[bool] = None
+    # Save the trained weights / adapter to <run dir>/model.
+    save_model: bool = True
+
+
+@dataclass
+class RuntimeConfig:
+    # Episodes scored at once (threads). 1 scores one after another.
+    max_concurrency: int = 8
+    # Seconds one score_episode call may take; a slower one counts as a timeout.
+    episode_timeout_s: float = 120.0
+    # raise: stop on the first env error | zero: score it 0, count it, and stop after max_failures.
+    on_error: str = "zero"
+    max_failures: int = 5
+
+
+@dataclass
+class EvalConfig:
+    # Held-out prompts (split off the env's dataset, never trained on) scored before and after training.
+    enabled: bool = False
+    num_prompts: int = 50
+    batch_size: int = 16
+    # null: generation.max_new_tokens.
+    max_new_tokens: Optional[int] = None
+    before: bool = True
+    after: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # null: sqlite:///<launch dir>/outputs/mlflow.db
+    tracking_uri: Optional[str] = None
+    experiment_name: str = "grpo_pipeline"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    env: Dict[str, Any] = MISSING
+    loss: LossConfig = MISSING
+    vllm: VllmConfig = MISSING
+    lora: LoraConfig = MISSING
+    reward: RewardConfig = MISSING
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    seed: int = 42
+    # Where this job writes (Hydra's run dir by default).
+    output_dir: str = MISSING
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

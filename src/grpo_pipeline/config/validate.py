@@ -1,0 +1,115 @@
+"""Checks on the composed config that the schema's types cannot express. All problems are reported at
+once, each naming the key, the value and the fix; nothing here loads weights."""
+
+import importlib.util
+import os
+
+import torch
+
+from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.errors import ConfigError
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
+SCALE_REWARDS = ("group", "batch", "none")
+VLLM_MODES = ("off", "colocate", "server")
+MODEL_SOURCES = ("tiny", "hub", "gguf")
+ON_ERROR = ("raise", "zero")
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    p: list[str] = []
+    gen, loss, train, vllm, run = cfg.generation, cfg.loss, cfg.training, cfg.vllm, cfg.runtime
+
+    if cfg.model.source not in MODEL_SOURCES:
+        p.append(f"model.source={cfg.model.source!r}: use one of {MODEL_SOURCES}.")
+    if cfg.model.source == "hub" and not cfg.model.name_or_path:
+        p.append("model.name_or_path is empty: set a hub id or a local folder (model.source=hub).")
+    if cfg.model.source == "gguf" and not (cfg.model.gguf_package and cfg.model.gguf_file):
+        p.append("model.gguf_package and model.gguf_file must both be set (model.source=gguf).")
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        p.append(f"model.dtype={cfg.model.dtype!r}: use float32, bfloat16 or float16.")
+
+    if gen.num_generations < 2:
+        p.append(f"generation.num_generations={gen.num_generations}: GRPO compares >= 2 completions per prompt.")
+    if gen.max_new_tokens < 1:
+        p.append(f"generation.max_new_tokens={gen.max_new_tokens}: must be >= 1.")
+    if gen.temperature <= 0:
+        p.append(f"generation.temperature={gen.temperature}: must be > 0 (GRPO needs sampling).")
+    if not 0 < gen.top_p <= 1:
+        p.append(f"generation.top_p={gen.top_p}: must be in (0, 1].")
+    if gen.top_k < 0:
+        p.append(f"generation.top_k={gen.top_k}: must be >= 0 (0 disables it).")
+
+    if loss.loss_type not in LOSS_TYPES:
+        p.append(f"loss.loss_type={loss.loss_type!r}: use one of {LOSS_TYPES}.")
+    if loss.scale_rewards not in SCALE_REWARDS:
+        p.append(f"loss.scale_rewards={loss.scale_rewards!r}: use one of {SCALE_REWARDS}.")
+    if loss.kl_coef < 0:
+        p.append(f"loss.kl_coef={loss.kl_coef}: must be >= 0.")
+    if loss.clip_range <= 0:
+        p.append(f"loss.clip_range={loss.clip_range}: must be > 0.")
+    if loss.epsilon_high is not None and loss.epsilon_high < loss.clip_range:
+        p.append(
+            f"loss.epsilon_high={loss.epsilon_high} < loss.clip_range={loss.clip_range}: the upper clip must be "
+            "at least the lower one; raise loss.epsilon_high or set it to null."
+        )
+    if loss.num_iterations < 1:
+        p.append(f"loss.num_iterations={loss.num_iterations}: must be >= 1.")
+
+    if train.learning_rate <= 0:
+        p.append(f"training.learning_rate={train.learning_rate}: must be > 0.")
+    if train.batch_size < 1 or train.gradient_accumulation_steps < 1:
+        p.append("training.batch_size and training.gradient_accumulation_steps must be >= 1.")
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        per_step = train.batch_size * train.gradient_accumulation_steps * world
+        if per_step % max(gen.num_generations, 1):
+            p.append(
+                f"training.batch_size={train.batch_size} x gradient_accumulation_steps="
+                f"{train.gradient_accumulation_steps} x {world} process(es) = {per_step} completions per step, "
+                f"which generation.num_generations={gen.num_generations} does not divide. Make batch_size a "
+                "multiple of num_generations (each prompt's group must fit in one step)."
+            )
+    if train.max_steps == 0 or (train.max_steps < 0 and train.num_epochs <= 0):
+        p.append("training.max_steps (or training.num_epochs when max_steps=-1) must be > 0.")
+
+    if run.on_error not in ON_ERROR:
+        p.append(f"runtime.on_error={run.on_error!r}: use one of {ON_ERROR}.")
+    if run.max_concurrency < 1:
+        p.append(f"runtime.max_concurrency={run.max_concurrency}: must be >= 1.")
+    if run.episode_timeout_s <= 0:
+        p.append(f"runtime.episode_timeout_s={run.episode_timeout_s}: must be > 0.")
+
+    if cfg.eval.enabled and (cfg.eval.num_prompts < 1 or cfg.eval.batch_size < 1):
+        p.append("eval.num_prompts and eval.batch_size must be >= 1 when eval.enabled=true.")
+    if cfg.reward.env_weight < 0:
+        p.append(f"reward.env_weight={cfg.reward.env_weight}: must be >= 0.")
+    if cfg.reward.env_weight == 0 and not cfg.reward.components:
+        p.append("reward: env_weight=0 and no components: there is nothing to reward. Pick reward=env.")
+
+    p += _vllm_problems(cfg)
+    return p
+
+
+def _vllm_problems(cfg: TrainConfig) -> list[str]:
+    vllm = cfg.vllm
+    if vllm.mode not in VLLM_MODES:
+        return [f"vllm.mode={vllm.mode!r}: use one of {VLLM_MODES}."]
+    if vllm.mode == "off":
+        return []
+    p = []
+    if not torch.cuda.is_available():
+        p.append(f"vllm={vllm.mode} needs a GPU and none is visible; use vllm=off on this machine.")
+    if importlib.util.find_spec("vllm") is None:
+        p.append(f"vllm={vllm.mode} needs the vllm package: pip install '.[vllm]' (GPU machines only).")
+    if not 0 < vllm.gpu_memory_utilization <= 1:
+        p.append(f"vllm.gpu_memory_utilization={vllm.gpu_memory_utilization}: must be in (0, 1].")
+    if vllm.tensor_parallel_size < 1:
+        p.append(f"vllm.tensor_parallel_size={vllm.tensor_parallel_size}: must be >= 1.")
+    return p
+
+
+def check_config(cfg: TrainConfig) -> None:
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError("Invalid config:\n" + "\n".join(f"  - {x}" for x in problems))

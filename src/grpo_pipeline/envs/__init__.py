@@ -1,0 +1,1 @@
+"""Example environments and the loader that validates a user's env class."""

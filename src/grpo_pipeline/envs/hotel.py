@@ -1,0 +1,186 @@
+"""Multi-turn hotel booking with tools and a scripted guest.
+
+The guest asks for a room (city, guests, price cap, wished features). The assistant calls
+`search_rooms` and `book_room` by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(parsed with json, never executed as code). `score_episode` plays the episode out: it runs the tool
+calls of each assistant turn, appends the results (or the guest's nudge when no tool was called), asks
+the live policy for the next turn with `model.generate`, and stops at a booking or after `max_turns`
+assistant turns. Score, from the booking that results:
+1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another real room;
+0.2 no booking but a search in the right city; 0.1 a well-formed tool call; else 0.
+"""
+
+import json
+import random
+import re
+
+from datasets import Dataset
+
+from grpo_pipeline.prompts import render_prompt, supports_tools
+
+CITIES = ["Lisbon", "Porto", "Madrid", "Paris"]
+FEATURES = ["sea view", "breakfast", "balcony", "quiet"]
+_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+_DIFFICULTY_FEATURES = {"easy": 0, "normal": 1, "hard": 2}
+
+SYSTEM = (
+    "You are a hotel booking assistant. Tools: search_rooms(city, guests, max_price) lists matching rooms; "
+    "book_room(room_id) books one. Call a tool by writing "
+    '<tool_call>{"name": "search_rooms", "arguments": {"city": "Lisbon", "guests": 2, "max_price": 100}}</tool_call>. '
+    "Book exactly one room that meets every wish of the guest."
+)
+NUDGE = "Please search for rooms and book one that meets all my wishes."
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """The tool calls in an assistant turn; None when a <tool_call> block is malformed."""
+    calls = []
+    for raw in _CALL.findall(text):
+        try:
+            call = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
+            return None
+        calls.append(call)
+    return calls
+
+
+class HotelEnv:
+    thread_safe = True  # score_episode keeps its state in locals
+
+    def __init__(
+        self,
+        num_samples: int = 200,
+        max_turns: int = 3,
+        difficulty: str = "normal",
+        turn_max_new_tokens: int = 96,
+        seed: int = 0,
+    ):
+        if difficulty not in _DIFFICULTY_FEATURES:
+            raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
+        if max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        self.num_samples, self.max_turns, self.difficulty = num_samples, max_turns, difficulty
+        self.turn_max_new_tokens = turn_max_new_tokens
+        rng = random.Random(seed)
+        self.rooms = {}
+        for city in CITIES:
+            for n in range(6):
+                self.rooms[f"{city[:3].upper()}-{101 + n}"] = {
+                    "room_id": f"{city[:3].upper()}-{101 + n}",
+                    "city": city,
+                    "capacity": rng.randint(1, 4),
+                    "price": rng.randrange(60, 260, 10),
+                    "features": sorted(rng.sample(FEATURES, rng.randint(0, 3))),
+                }
+        self.seed = seed
+
+    def get_tools(self) -> list[dict]:
+        def fn(name, description, properties, required):
+            return {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {"type": "object", "properties": properties, "required": required},
+                },
+            }
+
+        return [
+            fn(
+                "search_rooms",
+                "List available rooms in a city for a number of guests under a nightly price cap.",
+                {"city": {"type": "string"}, "guests": {"type": "integer"}, "max_price": {"type": "number"}},
+                ["city"],
+            ),
+            fn("book_room", "Book one room by its id.", {"room_id": {"type": "string"}}, ["room_id"]),
+        ]
+
+    def build_dataset(self, tokenizer) -> Dataset:
+        rng = random.Random(self.seed + 1)
+        rooms = list(self.rooms.values())
+        rows = []
+        for _ in range(self.num_samples):
+            target = rng.choice(rooms)  # the request is built from a real room, so a right answer exists
+            wishes = rng.sample(target["features"], min(len(target["features"]), _DIFFICULTY_FEATURES[self.difficulty]))
+            slack = 0 if self.difficulty == "hard" else rng.choice([0, 20, 40])
+            request = {
+                "city": target["city"],
+                "guests": rng.randint(1, target["capacity"]),
+                "max_price": target["price"] + slack,
+                "features": wishes,
+            }
+            rows.append({"prompt": self._opening(request), "request": request})
+        return Dataset.from_list(rows)
+
+    def _opening(self, request: dict) -> list[dict]:
+        wish = f", with {' and '.join(request['features'])}" if request["features"] else ""
+        ask = (
+            f"Hi! I need a room in {request['city']} for {request['guests']} guest(s), "
+            f"at most {request['max_price']} EUR per night{wish}."
+        )
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+
+    # --- tools -------------------------------------------------------------------------------------
+    def search_rooms(self, city: str = "", guests: int = 1, max_price: float = 10_000) -> list[dict]:
+        return [
+            r
+            for r in self.rooms.values()
+            if r["city"].lower() == str(city).lower()
+            and r["capacity"] >= _as_number(guests, 1)
+            and r["price"] <= _as_number(max_price, 10_000)
+        ]
+
+    def wishes_met(self, room: dict, request: dict) -> tuple[int, int]:
+        checks = [
+            room["city"] == request["city"],
+            room["capacity"] >= request["guests"],
+            room["price"] <= request["max_price"],
+        ] + [f in room["features"] for f in request["features"]]
+        return sum(checks), len(checks)
+
+    # --- the episode -------------------------------------------------------------------------------
+    def score_episode(self, model, tokenizer, completion: str, request: dict, **_) -> float:
+        messages = self._opening(request) + [{"role": "assistant", "content": completion}]
+        reply, searched, well_formed, booked = completion, False, False, None
+        for turn in range(self.max_turns):
+            calls = parse_tool_calls(reply) or []
+            well_formed = well_formed or bool(calls)
+            results = []
+            for call in calls:
+                args = call.get("arguments", {})
+                if call.get("name") == "search_rooms":
+                    found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
+                    searched = searched or str(args.get("city", "")).lower() == request["city"].lower()
+                    results.append(json.dumps(found))
+                elif call.get("name") == "book_room":
+                    booked = self.rooms.get(str(args.get("room_id")))
+                    results.append(json.dumps({"booked": booked is not None}))
+                    break
+                else:
+                    results.append(json.dumps({"error": f"unknown tool {call.get('name')!r}"}))
+            if booked is not None or turn == self.max_turns - 1:
+                break
+            messages.append({"role": "tool", "content": "\n".join(results)} if results else {"role": "user", "content": NUDGE})
+            reply = self._next_turn(model, tokenizer, messages)
+            messages.append({"role": "assistant", "content": reply})
+        if booked is not None:
+            met, total = self.wishes_met(booked, request)
+            return 1.0 if met == total else 0.3 + 0.6 * met / total
+        return 0.2 if searched else 0.1 if well_formed else 0.0
+
+    def _next_turn(self, model, tokenizer, messages: list[dict]) -> str:
+        text, _ = render_prompt(tokenizer, messages, self.get_tools() if supports_tools(tokenizer) else None)
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+        out = model.generate(
+            **inputs, max_new_tokens=self.turn_max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id
+        )
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def _as_number(value, default: float) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default

@@ -1,0 +1,30 @@
+"""The reward-curve PNG written into the run dir and logged to MLflow."""
+
+from pathlib import Path
+
+
+def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = None, eval_after: dict | None = None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = range(1, len(rewards) + 1)
+    ax.plot(steps, rewards, marker=".", alpha=0.5, label="train mean reward (per logging step)")
+    window = max(1, len(rewards) // 8)
+    if window > 1:
+        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, smooth, label=f"moving average ({window})")
+    for ev, name, x in ((eval_before, "held-out before", 1), (eval_after, "held-out after", len(rewards))):
+        if ev:
+            ax.scatter([x], [ev["mean_reward"]], s=80, marker="*", zorder=3, label=f"{name}: {ev['mean_reward']:.2f}")
+    ax.set_xlabel("logging step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

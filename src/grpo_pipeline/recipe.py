@@ -1,0 +1,192 @@
+"""The GRPO recipe, top to bottom: validate -> env -> dataset -> rewards -> trainer -> train -> save -> log.
+
+Everything up to `_load_weights` is cheap and checks the config, the env class and its dataset, so a bad
+config fails in seconds, before weights load and before an MLflow run exists. After that, a failure
+marks the MLflow run FAILED (KILLED on Ctrl-C) and the adapter / weights trained so far are saved to
+`<run dir>/model-interrupted` first.
+"""
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.config.validate import check_config
+from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
+from grpo_pipeline.evaluation import evaluate, split_heldout
+from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
+from grpo_pipeline.prompts import attach_tools
+from grpo_pipeline.rewards import build_rewards
+from grpo_pipeline.runtime.episodes import EpisodeRunner
+from grpo_pipeline.tracking import RunLogger, Tracker, flatten
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    model_path: str | None
+    num_samples: int
+    num_epochs: float
+    steps: int
+    first_reward: float | None
+    last_reward: float | None
+    average_reward: float | None
+    eval_before: dict | None = None
+    eval_after: dict | None = None
+    mlflow_run_id: str | None = None
+    wall_time_s: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
+
+
+def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] | None = None) -> RunResult:
+    started = time.monotonic()
+    launch_dir = launch_dir or os.getcwd()
+    run_dir = Path(cfg.output_dir)
+
+    # 1. Everything that can be checked without weights.
+    check_config(cfg)
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    env_name = type(env).__qualname__
+    tokenizer = load_tokenizer(cfg.model)
+    dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, get_tool_schemas(env), env_name)
+    heldout = None
+    if cfg.eval.enabled:
+        dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.seed)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, [c for c in dataset.column_names if c != "prompt"])
+    reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function())
+    from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
+
+    grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights)
+    tracker = Tracker(cfg.tracking, launch_dir)
+
+    # 2. The run.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    run_name = cfg.tracking.run_name or _run_name(cfg, env_name, overrides)
+    tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])[:5000]}
+    tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), tags)
+    trainer = None
+    try:
+        trainer, logger = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        runner.bind(policy)
+        eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
+        eval_before = eval_after = None
+        if heldout is not None and cfg.eval.before:
+            eval_before = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
+            _log_eval(tracker, "eval_before", eval_before, step=0)
+        trainer.train()
+        model_path = _save(cfg, trainer, tokenizer, run_dir) if cfg.training.save_model else None
+        if heldout is not None and cfg.eval.after:
+            eval_after = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
+            _log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
+        if cfg.lora.enabled and cfg.lora.save_merged and model_path:
+            merged = trainer.model.merge_and_unload()
+            merged.save_pretrained(run_dir / "model_merged")
+            tokenizer.save_pretrained(run_dir / "model_merged")
+        rewards = logger.rewards
+        result = RunResult(
+            run_dir=str(run_dir),
+            model_path=model_path,
+            num_samples=len(dataset),
+            num_epochs=float(trainer.state.epoch or 0.0),
+            steps=trainer.state.global_step,
+            first_reward=rewards[0] if rewards else None,
+            last_reward=rewards[-1] if rewards else None,
+            average_reward=sum(rewards) / len(rewards) if rewards else None,
+            eval_before=eval_before,
+            eval_after=eval_after,
+            mlflow_run_id=tracker.run_id,
+            wall_time_s=round(time.monotonic() - started, 1),
+            rewards=rewards,
+        )
+        _write_outputs(result, run_dir, tracker)
+        tracker.end("FINISHED")
+        return result
+    except BaseException as e:
+        if trainer is not None and trainer.state.global_step > 0:
+            _save_interrupted(trainer, run_dir)
+        tracker.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+
+
+def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker):
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer
+
+    model = load_model(cfg.model, tokenizer)
+    peft_config = None
+    if cfg.lora.enabled:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=cfg.lora.r,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=lora_target_modules(model.config.model_type, cfg.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+    logger = RunLogger(tracker)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=grpo_config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[logger],
+    )
+    trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
+    return trainer, logger
+
+
+def _save(cfg, trainer, tokenizer, run_dir: Path) -> str:
+    path = run_dir / "model"
+    trainer.save_model(str(path))  # the LoRA adapter when lora.enabled, else the full weights
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _save_interrupted(trainer, run_dir: Path) -> None:
+    path = run_dir / "model-interrupted"
+    try:
+        trainer.save_model(str(path))
+        log.error("Training stopped at step %d; what was trained so far is in %s", trainer.state.global_step, path)
+    except Exception:  # saving must not hide the original error
+        log.exception("Could not save the interrupted model to %s", path)
+
+
+def _log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int) -> None:
+    log.warning(
+        "%s: mean reward %.3f, success rate %.3f over %d held-out prompts",
+        prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"],
+    )
+    tracker.log_metrics({f"{prefix}/mean_reward": metrics["mean_reward"],
+                         f"{prefix}/success_rate": metrics["success_rate"]}, step=step)
+
+
+def _write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
+    from grpo_pipeline.plots import plot_rewards
+
+    (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+    if result.rewards:
+        plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after)
+    for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
+        tracker.log_artifact(run_dir / name)
+
+
+def _run_name(cfg, env_name: str, overrides: list[str] | None) -> str:
+    if overrides:
+        return ",".join(overrides)[:200]
+    return f"{cfg.model.name}-{env_name}-{cfg.loss.loss_type}"

@@ -1,0 +1,133 @@
+"""MLflow tracking (one run per Hydra job) and the per-step console line.
+
+We talk to MLflow through an explicit `MlflowClient` (no fluent API, no global active run), so two
+trainings in one process never share state. The default store is SQLite under `outputs/` (MLflow 3
+refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI with:
+
+    mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db
+"""
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import ProgressCallback
+
+from grpo_pipeline.config.schema import TrackingConfig
+from grpo_pipeline.errors import ConfigError
+
+_MAX_PARAM_LEN = 500
+
+
+def default_tracking_uri(launch_dir: str | Path) -> str:
+    return f"sqlite:///{Path(launch_dir).resolve() / 'outputs' / 'mlflow.db'}"
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, str]:
+    """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): str(node)[:_MAX_PARAM_LEN]}
+
+
+class Tracker:
+    """One MLflow run. With tracking disabled every method is a no-op."""
+
+    def __init__(self, cfg: TrackingConfig, launch_dir: str | Path):
+        self.enabled = cfg.enabled
+        self.run_id: str | None = None
+        if not self.enabled:
+            return
+        from mlflow.tracking import MlflowClient
+
+        self.uri = cfg.tracking_uri or default_tracking_uri(launch_dir)
+        artifacts = None
+        if self.uri.startswith("sqlite:///"):  # a local store: artifacts go next to the database
+            db_dir = Path(self.uri.removeprefix("sqlite:///")).resolve().parent
+            db_dir.mkdir(parents=True, exist_ok=True)
+            artifacts = (db_dir / "mlartifacts").as_uri()
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+            experiment = self.client.get_experiment_by_name(cfg.experiment_name)
+            if experiment is None:
+                self.experiment_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
+            else:
+                self.experiment_id = experiment.experiment_id
+        except Exception as e:
+            raise ConfigError(
+                f"tracking.tracking_uri='{self.uri}' is not usable ({e.__class__.__name__}: {str(e)[:300]}). "
+                "Fix the URI (e.g. sqlite:///outputs/mlflow.db or http://host:5000), or set tracking.enabled=false."
+            ) from e
+
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str] | None = None) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+        self.run_id = run.info.run_id
+        items = [Param(k, v) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self.run_id:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(_metric_key(k), v, now, step) for k, v in metrics.items() if math.isfinite(v)]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if self.run_id and os.path.exists(path):
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.run_id:
+            self.client.set_terminated(self.run_id, status)
+
+
+def _metric_key(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
+
+
+def numeric(logs: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class RunLogger(ProgressCallback):
+    """Keeps the progress bar; per logging step prints one readable line, logs metrics to MLflow
+    and keeps the mean rewards for the summary."""
+
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tracker = tracker
+        self.rewards: list[float] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = numeric(logs or {})
+        self.tracker.log_metrics(metrics, step=state.global_step)
+        if "reward" not in metrics:
+            return
+        self.rewards.append(metrics["reward"])
+        parts = [
+            f"epoch {metrics.get('epoch', 0):.2f}/{state.num_train_epochs:g}",
+            f"step {state.global_step}/{state.max_steps}",
+            f"reward {metrics['reward']:.3f}",
+        ]
+        parts += [f"{key} {metrics[key]:.4g}" for key in ("kl", "loss") if key in metrics]
+        if "completions/mean_length" in metrics:
+            parts.append(f"len {metrics['completions/mean_length']:.1f}")
+        if metrics.get("env/failures"):
+            parts.append(f"env failures {metrics['env/failures']:.0f}")
+        line = " | ".join(parts)
+        if state.is_world_process_zero:
+            (self.training_bar.write if self.training_bar is not None else print)(line)
+
