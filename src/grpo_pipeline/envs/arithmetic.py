@@ -1,8 +1,10 @@
 """Single-turn arithmetic with a verifiable answer.
 
-The prompt asks for the result inside <answer>...</answer> and shows `num_shot` worked examples, so
-a small instruct model gets some credit from the first step (zero-shot, SmolLM2-135M never writes the
-tags and every reward is 0). Score: `format_weight` for a well-formed tag + `answer_weight` for the
+The prompt asks for the result inside <answer>...</answer> and shows `num_shot` worked examples
+("59 + 63 = 122" then the tag), so a small instruct model gets credit from the first step: zero-shot,
+SmolLM2-135M never writes the tags and every reward is 0; asked for the bare tag it guesses without
+writing the sum and is almost never right (measured: 0/8); with the echoed equation it writes the tag
+97% of the time and is right 30% of the time. Score: `format_weight` for a well-formed tag + `answer_weight` for the
 right value, read from the tag, else from the last number in the reply (models echo the operands).
 Nothing the model writes is evaluated as code.
 """
@@ -16,7 +18,7 @@ _TAG = re.compile(r"<answer>\s*(-?\d+(?:\.\d+)?)\s*</answer>")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
-INSTRUCTION = "Solve the problem. Give only the final result as <answer>N</answer>."
+INSTRUCTION = "Give the final result as <answer>N</answer>."
 
 
 class ArithmeticEnv:
@@ -59,7 +61,7 @@ class ArithmeticEnv:
             question, answer = self._problem(rng)
             shots += [
                 {"role": "user", "content": f"{question} {INSTRUCTION}"},
-                {"role": "assistant", "content": f"<answer>{answer}</answer>"},
+                {"role": "assistant", "content": f"{question[8:-1]} = {answer}\n<answer>{answer}</answer>"},
             ]
         rows, seen = [], set()
         while len(rows) < self.num_samples:

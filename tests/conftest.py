@@ -1,0 +1,54 @@
+"""Tests compose the real conf/ with overrides that shrink the run to the tiny model, each in its own tmp_path."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.config.schema import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    return [
+        "model=tiny",
+        "env=arithmetic",
+        "env.num_samples=24",
+        "training.max_steps=2",
+        "training.batch_size=4",
+        "generation.num_generations=2",
+        "generation.max_new_tokens=8",
+        "eval.enabled=false",
+        f"output_dir={tmp_path / 'run'}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg([...overrides]) -> the composed DictConfig of conf/train.yaml."""
+
+    def _compose(overrides: list[str], config_dir: Path = CONFIG_DIR):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return compose(config_name="train", overrides=overrides)
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300, env_extra: dict | None = None):
+    """`python -m grpo_pipeline ARGS` in cwd; returns the CompletedProcess."""
+    import subprocess
+
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )

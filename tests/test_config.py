@@ -1,0 +1,93 @@
+"""Every option of every group composes and validates; typos and wrong types fail at compose time."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.config.validate import config_problems
+from grpo_pipeline.errors import ConfigError
+
+GROUPS = ["model", "env", "loss", "vllm", "lora", "reward"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+
+
+def test_every_group_has_options():
+    for group in GROUPS:
+        assert any(g == group for g, _ in OPTIONS), f"conf/{group} has no options"
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS)
+def test_every_option_composes_and_validates(compose_cfg, group, option, tmp_path):
+    cfg = compose_cfg([f"{group}={option}", f"output_dir={tmp_path}"])
+    assert cfg[group] is not None
+    problems = config_problems(cfg)
+    if group == "vllm" and option != "off":  # no GPU here: vLLM modes must be refused, clearly
+        assert any("needs a GPU" in p for p in problems), problems
+    else:
+        assert problems == []
+
+
+def test_every_config_file_has_a_header_comment():
+    for path in CONFIG_DIR.rglob("*.yaml"):
+        assert path.read_text().startswith("#"), f"{path} lacks a header comment"
+
+
+def test_typo_in_key_fails_with_full_key(compose_cfg):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["training.lerning_rate=0.1"])
+    assert "training.lerning_rate" in str(e.value.__cause__ or e.value)
+
+
+def test_typo_in_group_yaml_key_is_caught_by_schema(compose_cfg, tmp_path):
+    conf = tmp_path / "conf" / "loss"
+    conf.mkdir(parents=True)
+    (conf / "typo.yaml").write_text("# a typo\nloss_typ: dapo\n")
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        with pytest.raises((ConfigCompositionException, ConfigKeyError)) as e:
+            compose("train", overrides=[f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "loss=typo"])
+    assert "loss_typ" in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_fails(compose_cfg):
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        compose_cfg(["generation.num_generations=many"])
+    assert "generation.num_generations" in str(e.value) + str(e.value.__cause__)
+
+
+def test_unknown_group_option_fails(compose_cfg):
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg(["loss=ppo"])
+    assert "loss" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["loss.epsilon_high=0.1", "loss.clip_range=0.2"], "loss.epsilon_high=0.1 < loss.clip_range=0.2"),
+        (["training.batch_size=6", "generation.num_generations=4"], "does not divide"),
+        (["loss.loss_type=ppo"], "loss.loss_type='ppo'"),
+        (["generation.num_generations=1", "training.batch_size=1"], "generation.num_generations=1"),
+        (["generation.temperature=0"], "generation.temperature=0"),
+        (["generation.top_p=1.5"], "generation.top_p=1.5"),
+        (["runtime.on_error=ignore"], "runtime.on_error='ignore'"),
+        (["vllm=colocate"], "needs a GPU"),
+        (["reward.env_weight=0"], "nothing to reward"),
+        (["model=deepseek_r1_distill_qwen_1_5b", "model.name_or_path=null"], "model.name_or_path"),
+    ],
+)
+def test_invalid_combinations_are_named(compose_cfg, overrides, expected, tmp_path):
+    cfg = compose_cfg([*overrides, f"output_dir={tmp_path}"])
+    problems = config_problems(cfg)
+    assert any(expected in p for p in problems), problems
+
+
+def test_all_problems_reported_at_once(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import check_config
+
+    cfg = compose_cfg(["generation.temperature=0", "loss.kl_coef=-1", f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as e:
+        check_config(cfg)
+    assert "generation.temperature" in str(e.value) and "loss.kl_coef" in str(e.value)

@@ -1,0 +1,122 @@
+"""The shipped example envs: datasets, scores, multi-turn episodes, and no eval/exec of model output."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_pipeline.envs.arithmetic import ArithmeticEnv
+from grpo_pipeline.envs.hotel import HotelEnv, parse_tool_calls
+from grpo_pipeline.models import build_tiny_tokenizer
+from grpo_pipeline.prompts import supports_tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def test_arithmetic_dataset_and_scores(tokenizer):
+    env = ArithmeticEnv(num_samples=20, num_shot=1, seed=3)
+    ds = env.build_dataset(tokenizer)
+    assert len(ds) == 20 and ds.column_names == ["prompt", "answer"]
+    first = ds[0]
+    assert first["prompt"][-1]["content"].startswith("What is ") and first["prompt"][1]["role"] == "assistant"
+    a, b = map(int, re.findall(r"\d+", first["prompt"][-1]["content"])[:2])
+    assert first["answer"] == a + b
+    score = lambda text: env.score_episode(None, tokenizer, text, answer=57)  # noqa: E731
+    assert score("<answer>57</answer>") == pytest.approx(1.0)
+    assert score("<answer>56</answer>") == pytest.approx(0.2)
+    assert score("12 + 45 = 57") == pytest.approx(0.8)  # last number, no tag
+    assert score("12 + 45 = 57 <answer> 57 </answer>") == pytest.approx(1.0)
+    assert score("no idea") == 0.0
+
+
+def test_arithmetic_rejects_bad_kwargs():
+    with pytest.raises(ValueError, match="operations"):
+        ArithmeticEnv(operations=["/"])
+    with pytest.raises(ValueError, match="sum to 1"):
+        ArithmeticEnv(format_weight=0.5, answer_weight=0.8)
+
+
+class ScriptedPolicy:
+    """A stand-in for the live policy: each generate call answers with the next scripted reply."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
+        self.device = torch.device("cpu")
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        self.prompts.append(self.tokenizer.decode(input_ids[0]))
+        reply = self.tokenizer(self.replies.pop(0) + "<|im_end|>", return_tensors="pt")["input_ids"]
+        return torch.cat([input_ids, reply], dim=1)
+
+
+def call(name, **arguments):
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
+def matching_room(env, request):
+    rooms = [r for r in env.rooms.values() if env.wishes_met(r, request)[0] == env.wishes_met(r, request)[1]]
+    assert rooms, "the request was built from a real room"
+    return rooms[0]
+
+
+def test_hotel_multi_turn_episode_books_the_right_room(tokenizer):
+    env = HotelEnv(num_samples=5, max_turns=3, difficulty="normal")
+    ds = env.build_dataset(tokenizer)
+    request = ds[0]["request"]
+    room = matching_room(env, request)
+    first = call("search_rooms", city=request["city"], guests=request["guests"], max_price=request["max_price"])
+    policy = ScriptedPolicy(tokenizer, [call("book_room", room_id=room["room_id"])])
+    assert env.score_episode(policy, tokenizer, first, request=request) == 1.0
+    # the second turn saw the tool result and the tool schemas (the tiny template renders tools)
+    assert room["room_id"] in policy.prompts[0] and "search_rooms" in policy.prompts[0]
+
+
+def test_hotel_scores_follow_the_booking(tokenizer):
+    env = HotelEnv(num_samples=5, max_turns=2, difficulty="hard", seed=1)
+    request = env.build_dataset(tokenizer)[0]["request"]
+    wrong_city = next(r for r in env.rooms.values() if r["city"] != request["city"])
+    met, total = env.wishes_met(wrong_city, request)
+    assert met < total
+    assert env.score_episode(None, tokenizer, call("book_room", room_id=wrong_city["room_id"]), request=request) == (
+        pytest.approx(0.3 + 0.6 * met / total)
+    )
+    # a search in the right city, then the policy never books: 0.2
+    policy = ScriptedPolicy(tokenizer, ["I am not sure."])
+    assert env.score_episode(policy, tokenizer, call("search_rooms", city=request["city"]), request=request) == 0.2
+    # a well-formed call to an unknown tool, then chatter: 0.1; chatter only: 0.0 (the guest nudges once)
+    policy = ScriptedPolicy(tokenizer, ["hmm"])
+    assert env.score_episode(policy, tokenizer, call("dance"), request=request) == 0.1
+    policy = ScriptedPolicy(tokenizer, ["hmm"])
+    assert env.score_episode(policy, tokenizer, "hello", request=request) == 0.0
+    assert "Please search for rooms" in policy.prompts[0]
+
+
+def test_parse_tool_calls():
+    assert parse_tool_calls('<tool_call>{"name": "x", "arguments": {"a": 1}}</tool_call>') == [
+        {"name": "x", "arguments": {"a": 1}}
+    ]
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>") is None
+    assert parse_tool_calls("no calls") == []
+
+
+def test_hotel_tools_and_template(tokenizer):
+    env = HotelEnv()
+    names = [t["function"]["name"] for t in env.get_tools()]
+    assert names == ["search_rooms", "book_room"]
+    assert supports_tools(tokenizer)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=env.get_tools(), add_generation_prompt=True, tokenize=False
+    )
+    assert '"name": "book_room"' in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_shipped_code_never_evals_model_output():
+    src = Path(__file__).resolve().parents[1] / "src" / "grpo_pipeline"
+    for path in src.rglob("*.py"):
+        code = path.read_text()
+        assert not re.search(r"(?<![\w.])(eval|exec)\(", code), f"{path} calls eval/exec"

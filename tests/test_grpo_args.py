@@ -1,0 +1,31 @@
+"""Our user-facing names reach TRL's GRPOConfig in one place."""
+
+from grpo_pipeline.config.grpo_args import build_grpo_config, grpo_kwargs
+
+
+def test_user_names_map_onto_trl(compose_cfg, tmp_path):
+    cfg = compose_cfg([
+        "model=tiny", "loss=grpo", "loss.kl_coef=0.07", "loss.clip_range=0.15", "loss.epsilon_high=0.3",
+        "loss.mask_truncated_completions=true", "generation.max_new_tokens=77", "generation.temperature=0.7",
+        "generation.top_k=20", "generation.top_p=0.9", "generation.num_generations=4", "training.batch_size=8",
+        "training.num_epochs=2", "training.learning_rate=1e-4", f"output_dir={tmp_path}",
+    ])
+    kw = grpo_kwargs(cfg, str(tmp_path), reward_weights=[1.0])
+    assert kw["beta"] == 0.07 and kw["epsilon"] == 0.15 and kw["epsilon_high"] == 0.3
+    assert kw["max_completion_length"] == 77 and kw["temperature"] == 0.7
+    assert kw["top_k"] == 20 and kw["top_p"] == 0.9 and kw["num_generations"] == 4
+    assert kw["loss_type"] == "grpo" and kw["mask_truncated_completions"] is True
+    assert kw["per_device_train_batch_size"] == 8 and kw["num_train_epochs"] == 2
+    assert kw["use_vllm"] is False and kw["remove_unused_columns"] is False
+    args = build_grpo_config(cfg, str(tmp_path), [1.0])
+    assert (args.beta, args.epsilon, args.loss_type, args.max_completion_length) == (0.07, 0.15, "grpo", 77)
+    assert args.use_cpu is True and args.report_to == []
+
+
+def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path):
+    cfg = compose_cfg(["vllm=server", "vllm.server_port=8123", f"output_dir={tmp_path}"])
+    kw = grpo_kwargs(cfg, str(tmp_path))
+    assert kw["use_vllm"] is True and kw["vllm_mode"] == "server" and kw["vllm_server_port"] == 8123
+    cfg = compose_cfg(["vllm=colocate", "vllm.gpu_memory_utilization=0.5", f"output_dir={tmp_path}"])
+    kw = grpo_kwargs(cfg, str(tmp_path))
+    assert kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.5
