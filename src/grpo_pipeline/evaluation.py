@@ -6,13 +6,12 @@ import statistics
 import torch
 from datasets import Dataset
 
+from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import render_prompt
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 
 
 def split_heldout(dataset: Dataset, num_prompts: int, seed: int) -> tuple[Dataset, Dataset]:
-    from grpo_pipeline.errors import ConfigError
-
     if num_prompts >= len(dataset):
         raise ConfigError(
             f"eval.num_prompts={num_prompts} leaves nothing to train on: the env's dataset has {len(dataset)} rows. "
@@ -22,8 +21,10 @@ def split_heldout(dataset: Dataset, num_prompts: int, seed: int) -> tuple[Datase
     return split["train"], split["test"]
 
 
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy completions, left-padded batches, gradients off; the model's train mode is restored."""
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int,
+             sampling: dict | None = None) -> list[str]:
+    """Completions (greedy unless `sampling` gives do_sample/temperature/...), left-padded batches,
+    gradients off; the model's train mode is restored."""
     was_training = model.training
     model.eval()
     out_texts = []
@@ -36,7 +37,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
             ).to(model.device)
             with torch.no_grad():
                 out = model.generate(
-                    **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+                    **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                    **(sampling or {"do_sample": False}),
                 )
             out_texts += tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:

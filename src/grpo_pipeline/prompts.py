@@ -33,4 +33,5 @@ def attach_tools(dataset: Dataset, tokenizer, tools: list[dict], env_name: str) 
             len(tools),
         )
         return dataset
-    return dataset.map(lambda row: {"prompt": render_prompt(tokenizer, row["prompt"], tools)[0]})
+    rendered = [render_prompt(tokenizer, prompt, tools)[0] for prompt in dataset["prompt"]]
+    return dataset.remove_columns("prompt").add_column("prompt", rendered)

@@ -43,6 +43,7 @@ class RunResult:
     eval_after: dict | None = None
     mlflow_run_id: str | None = None
     wall_time_s: float = 0.0
+    train_seconds: float = 0.0
     rewards: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, get_tool_schemas(env), env_name)
     heldout = None
     if cfg.eval.enabled:
-        dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.seed)
+        dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.eval.split_seed)
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, [c for c in dataset.column_names if c != "prompt"])
     reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function())
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
@@ -86,7 +87,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         if heldout is not None and cfg.eval.before:
             eval_before = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
             _log_eval(tracker, "eval_before", eval_before, step=0)
+        train_started = time.monotonic()
         trainer.train()
+        train_seconds = time.monotonic() - train_started
         model_path = _save(cfg, trainer, tokenizer, run_dir) if cfg.training.save_model else None
         if heldout is not None and cfg.eval.after:
             eval_after = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
@@ -109,6 +112,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             eval_after=eval_after,
             mlflow_run_id=tracker.run_id,
             wall_time_s=round(time.monotonic() - started, 1),
+            train_seconds=round(train_seconds, 2),
             rewards=rewards,
         )
         _write_outputs(result, run_dir, tracker)

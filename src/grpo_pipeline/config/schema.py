@@ -122,6 +122,10 @@ class RuntimeConfig:
     # Seconds one score_episode call may take; a slower one counts as a timeout.
     episode_timeout_s: float = 120.0
     # raise: stop on the first env error | zero: score it 0, count it, and stop after max_failures.
+    # Merge the model.generate calls of concurrent episodes into one batched call.
+    batch_generate: bool = True
+    # How long a queued generate call waits for other episodes' calls before running anyway.
+    batch_wait_ms: float = 20.0
     on_error: str = "zero"
     max_failures: int = 5
 
@@ -131,11 +135,21 @@ class EvalConfig:
     # Held-out prompts (split off the env's dataset, never trained on) scored before and after training.
     enabled: bool = False
     num_prompts: int = 50
+    # The held-out split's seed: fixed, so runs with different training seeds share one held-out set.
+    split_seed: int = 0
     batch_size: int = 16
     # null: generation.max_new_tokens.
     max_new_tokens: Optional[int] = None
     before: bool = True
     after: bool = True
+
+
+@dataclass
+class CheckConfig:
+    # The env doctor (python -m grpo_pipeline.check): prompts sampled, each answered num_generations times.
+    num_prompts: int = 4
+    # Slower mean episodes than this get a warning.
+    slow_episode_s: float = 5.0
 
 
 @dataclass
@@ -160,6 +174,7 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     seed: int = 42
     # Where this job writes (Hydra's run dir by default).
     output_dir: str = MISSING

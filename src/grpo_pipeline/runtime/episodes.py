@@ -25,15 +25,20 @@ import torch
 
 from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.errors import EnvError
+from grpo_pipeline.runtime.batching import GenerateBatcher
 
 
 class PolicyHandle:
-    """What the env receives as `model`: the live policy with gradients off for every call."""
+    """What the env receives as `model`: the live policy with gradients off for every call; its
+    `generate` calls are merged with other episodes' by the batcher when there is one."""
 
-    def __init__(self, model):
+    def __init__(self, model, batcher: GenerateBatcher | None = None):
         self._model = model
+        self._batcher = batcher
 
     def generate(self, *args, **kwargs):
+        if self._batcher is not None:
+            return self._batcher.generate(*args, **kwargs)
         with torch.no_grad():
             return self._model.generate(*args, **kwargs)
 
@@ -45,7 +50,7 @@ class PolicyHandle:
         return getattr(self._model, name)
 
 
-class _Episode:
+class Episode:
     def __init__(self, fn: Callable[[], Any]):
         self.fn = fn
         self.value: Any = None
@@ -66,9 +71,9 @@ class _Episode:
             changed.set()
 
 
-def run_bounded(fns: list[Callable[[], Any]], max_workers: int, timeout_s: float) -> list[_Episode]:
+def run_bounded(fns: list[Callable[[], Any]], max_workers: int, timeout_s: float) -> list[Episode]:
     """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned."""
-    episodes = [_Episode(fn) for fn in fns]
+    episodes = [Episode(fn) for fn in fns]
     waiting = list(reversed(range(len(episodes))))
     running: set[int] = set()
     changed = threading.Event()
@@ -100,6 +105,14 @@ def completion_text(completion: Any) -> str:
     return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
 
 
+def score_problem(value: Any) -> str | None:
+    """Why `value` is not a valid score, or None when it is one."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and 0.0 <= value <= 1.0:
+        return None
+    return f"returned {value!r} ({type(value).__name__}); a score is a finite float in [0, 1]."
+
+
 class EpisodeRunner:
     def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str]):
         self.env = env
@@ -118,17 +131,8 @@ class EpisodeRunner:
         self.model = model
 
     def score(self, completions: list[str], rows: list[dict]) -> tuple[list[float], dict[str, float]]:
-        """Scores for one batch, and the batch's runtime metrics."""
-        if self.model is None:
-            raise RuntimeError("EpisodeRunner.bind(model) must be called before scoring.")
-        policy = PolicyHandle(self.model)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            fns = [self._episode_fn(policy, c, row) for c, row in zip(completions, rows, strict=True)]
-            episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s)
-        finally:
-            self.model.train(was_training)
+        """Scores for one batch under the failure policy, and the batch's runtime metrics."""
+        episodes = self.run_episodes(completions, rows)
         scores = [self._outcome(ep, c, row) for ep, c, row in zip(episodes, completions, rows, strict=True)]
         seconds = [ep.seconds for ep in episodes]
         metrics = {
@@ -138,6 +142,30 @@ class EpisodeRunner:
             "env/episode_seconds_max": max(seconds),
         }
         return scores, metrics
+
+    def run_episodes(self, completions: list[str], rows: list[dict]) -> list[Episode]:
+        """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing."""
+        if self.model is None:
+            raise RuntimeError("EpisodeRunner.bind(model) must be called before scoring.")
+        batcher = None
+        if self.cfg.batch_generate and self.max_workers > 1 and len(completions) > 1:
+            batcher = GenerateBatcher(
+                self.model,
+                pad_token_id=getattr(self.tokenizer, "pad_token_id", None) or 0,
+                eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
+                max_wait_s=self.cfg.batch_wait_ms / 1000,
+            )
+        policy = PolicyHandle(self.model, batcher)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            fns = [self._episode_fn(policy, batcher, c, row) for c, row in zip(completions, rows, strict=True)]
+            episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s)
+        finally:
+            if batcher is not None:
+                batcher.close()
+            self.model.train(was_training)
+        return episodes
 
     def reward_function(self) -> Callable:
         """A TRL reward function (named after the env) that scores through this runner."""
@@ -153,10 +181,19 @@ class EpisodeRunner:
         reward.__name__ = "env"
         return reward
 
-    def _episode_fn(self, policy, completion: str, row: dict) -> Callable[[], Any]:
-        return lambda: self.env.score_episode(policy, self.tokenizer, completion, **row)
+    def _episode_fn(self, policy, batcher, completion: str, row: dict) -> Callable[[], Any]:
+        def episode():
+            if batcher is None:
+                return self.env.score_episode(policy, self.tokenizer, completion, **row)
+            batcher.episode_started()
+            try:
+                return self.env.score_episode(policy, self.tokenizer, completion, **row)
+            finally:
+                batcher.episode_ended()
 
-    def _outcome(self, ep: _Episode, completion: str, row: dict) -> float:
+        return episode
+
+    def _outcome(self, ep: Episode, completion: str, row: dict) -> float:
         self.episodes += 1
         if ep.timed_out or ep.error is not None:
             if ep.timed_out:
@@ -178,12 +215,9 @@ class EpisodeRunner:
         return self._check_score(ep.value, completion, row)
 
     def _check_score(self, value: Any, completion: str, row: dict) -> float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or not 0.0 <= value <= 1.0:
-            raise EnvError(
-                f"{self.env_name}.score_episode returned {value!r} ({type(value).__name__}); a score is a finite "
-                f"float in [0, 1].\n{self._describe(completion, row)}"
-            )
+        problem = score_problem(value)
+        if problem:
+            raise EnvError(f"{self.env_name}.score_episode {problem}\n{self._describe(completion, row)}")
         return float(value)
 
     @staticmethod

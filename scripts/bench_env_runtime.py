@@ -1,0 +1,123 @@
+"""The env runtime, measured side by side in one run on the tiny model (2-core CPU figures in README).
+
+(a) I/O-bound env, 50 ms wait per episode, 16 episodes: concurrent vs one-after-another scoring (goal >= 8x)
+(b) multi-turn env, 3 model turns per episode, 8 episodes: batched vs per-episode generate (goal >= 3x)
+(c) a whole training step: the pipeline vs a plain GRPOTrainer script with a plain reward function, same
+    GRPOConfig (pipeline overhead, goal <= 1.05x)
+
+    .venv/bin/python scripts/bench_env_runtime.py [--repeats 3] [--steps 30]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.models import build_tiny_tokenizer, load_model
+from grpo_pipeline.runtime.episodes import EpisodeRunner
+
+
+class SleepyEnv:
+    def score_episode(self, model, tokenizer, completion, **_):
+        time.sleep(0.05)  # a tool call, an API, a sandbox
+        return 1.0
+
+
+class MultiTurnEnv:
+    def score_episode(self, model, tokenizer, completion, **_):
+        text = completion
+        for _ in range(3):
+            enc = tokenizer(text, return_tensors="pt")
+            out = model.generate(**enc, max_new_tokens=16, do_sample=True, pad_token_id=tokenizer.pad_token_id)
+            text = tokenizer.decode(out[0, -24:], skip_special_tokens=True)
+        return 1.0
+
+
+def time_scoring(env, model, tok, n: int, repeats: int, **runtime) -> float:
+    runner = EpisodeRunner(env, tok, RuntimeConfig(**runtime), [])
+    runner.bind(model)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.score([f"What is {i} + {i}?" for i in range(n)], [{}] * n)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from trl import GRPOTrainer
+
+    from grpo_pipeline.config import CONFIG_DIR
+    from grpo_pipeline.config.grpo_args import build_grpo_config
+    from grpo_pipeline.config.schema import register_configs
+    from grpo_pipeline.envs.arithmetic import ArithmeticEnv
+    from grpo_pipeline.recipe import train
+    from grpo_pipeline.runtime.episodes import completion_text
+
+    register_configs()
+    tmp = tempfile.mkdtemp()
+    overrides = ["model=tiny", "env=arithmetic", "eval.enabled=false", f"training.max_steps={steps}",
+                 "training.save_model=false", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db"]
+    pipeline, plain = [], []
+    for r in range(repeats):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[*overrides, f"output_dir={tmp}/p{r}"])
+        pipeline.append(train(cfg, launch_dir=tmp).train_seconds / steps)
+
+        # The same run as a plain TRL script: same model, data, GRPOConfig and score, no pipeline.
+        tok = build_tiny_tokenizer()
+        tok.padding_side = "left"
+        env = ArithmeticEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
+
+        def reward(completions, answer, **_):
+            return [env.score_episode(None, tok, completion_text(c), a) for c, a in zip(completions, answer)]
+
+        from peft import LoraConfig
+
+        trainer = GRPOTrainer(
+            model=load_model(cfg.model, tok), reward_funcs=[reward], train_dataset=env.build_dataset(tok),
+            args=build_grpo_config(cfg, f"{tmp}/plain{r}", [1.0]), processing_class=tok,
+            peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        )
+        start = time.perf_counter()
+        trainer.train()
+        plain.append((time.perf_counter() - start) / steps)
+    return statistics.median(pipeline), statistics.median(plain)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    tok = build_tiny_tokenizer()
+    tok.padding_side = "left"
+    model = load_model(ModelConfig(name="tiny", source="tiny"), tok).eval()
+    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+    seq = time_scoring(SleepyEnv(), model, tok, 16, args.repeats, max_concurrency=1)
+    con = time_scoring(SleepyEnv(), model, tok, 16, args.repeats, max_concurrency=16)
+    print(f"(a) I/O-bound, 16 x 50 ms: sequential {seq:.3f}s, concurrent {con:.3f}s -> {seq / con:.1f}x (goal >= 8x)")
+
+    per_episode = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=1)
+    threads = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=8, batch_generate=False)
+    batched = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=8, batch_generate=True)
+    print(f"(b) multi-turn, 8 x 3 turns: per-episode {per_episode:.3f}s, threads without batching {threads:.3f}s, "
+          f"batched {batched:.3f}s -> {per_episode / batched:.1f}x vs per-episode (goal >= 3x)")
+
+    pipe, plain = bench_step_overhead(args.steps, args.repeats)
+    print(f"(c) training step, tiny model: pipeline {pipe * 1000:.0f} ms, plain GRPOTrainer {plain * 1000:.0f} ms "
+          f"-> {pipe / plain:.3f}x (goal <= 1.05x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The env doctor: `python -m grpo_pipeline.check env=hotel [model=...] [check.num_prompts=8]`.
+
+Validates and instantiates the env, builds its dataset, samples `generation.num_generations`
+completions for `check.num_prompts` prompts with the configured model and sampling settings, scores
+them through the same runtime as training, and prints a compact report with concrete warnings.
+Exit code 0: the env works (warnings may remain); 1: episodes fail, time out or return invalid
+scores; 2: the config or env cannot even be loaded.
+"""
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.config.schema import register_configs
+from grpo_pipeline.errors import PipelineError
+
+register_configs()
+
+
+@dataclass
+class Report:
+    lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    broken: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        out = list(self.lines)
+        out += [f"WARNING: {w}" for w in self.warnings] + [f"BROKEN: {b}" for b in self.broken]
+        out.append("verdict: " + ("BROKEN" if self.broken else "OK with warnings" if self.warnings else "OK"))
+        return "\n".join(out)
+
+
+def run_check(cfg: DictConfig) -> Report:
+    from grpo_pipeline.config.validate import check_config
+    from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
+    from grpo_pipeline.evaluation import generate
+    from grpo_pipeline.models import load_model, load_tokenizer
+    from grpo_pipeline.prompts import attach_tools, render_prompt
+    from grpo_pipeline.runtime.episodes import EpisodeRunner, score_problem
+
+    check_config(cfg)
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    name = type(env).__qualname__
+    tokenizer = load_tokenizer(cfg.model)
+    tools = get_tool_schemas(env)
+    dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, tools, name)
+    extra = [c for c in dataset.column_names if c != "prompt"]
+    r = Report()
+    r.lines += [
+        f"env: {name} ({cfg.env.get('_target_')})",
+        f"dataset: {len(dataset)} rows, columns {dataset.column_names}, tools {[t.get('function', t)['name'] for t in tools]}",
+        "sample prompt (as the model sees it):",
+        _indent(render_prompt(tokenizer, dataset[0]["prompt"])[0][-600:]),
+    ]
+    rows = dataset.shuffle(seed=cfg.seed).select(range(min(cfg.check.num_prompts, len(dataset))))
+    group = cfg.generation.num_generations
+    prompts = [p for p in rows["prompt"] for _ in range(group)]
+    model = load_model(cfg.model, tokenizer)
+    gen = cfg.generation
+    sampling = {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
+    started = time.monotonic()
+    completions = generate(model, tokenizer, prompts, gen.max_new_tokens, cfg.eval.batch_size, sampling)
+    r.lines.append(f"generated {len(completions)} completions ({len(rows)} prompts x {group}) "
+                   f"in {time.monotonic() - started:.1f}s")
+
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra)
+    runner.bind(model)
+    row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
+    episodes = runner.run_episodes(completions, row_dicts)
+    scores = []
+    for ep, completion in zip(episodes, completions, strict=True):
+        if ep.timed_out:
+            r.broken.append(f"episode timed out after {cfg.runtime.episode_timeout_s:g}s; completion {completion[:80]!r}")
+        elif ep.error is not None:
+            r.broken.append(f"score_episode raised {ep.error.__class__.__name__}: {ep.error}; completion {completion[:80]!r}")
+        elif score_problem(ep.value):
+            r.broken.append(f"score_episode {score_problem(ep.value)} completion {completion[:80]!r}")
+        else:
+            scores.append(float(ep.value))
+    _score_report(r, scores, [ep for ep in episodes], group, completions, cfg.check.slow_episode_s)
+    return r
+
+
+def _score_report(r: Report, scores, episodes, group: int, completions, slow_s: float) -> None:
+    if scores:
+        r.lines.append(
+            f"scores: n={len(scores)} mean={statistics.fmean(scores):.3f} std={statistics.pstdev(scores):.3f} "
+            f"min={min(scores):.3f} max={max(scores):.3f} exact 0: {sum(s == 0 for s in scores) / len(scores):.0%} "
+            f"exact 1: {sum(s == 1 for s in scores) / len(scores):.0%}"
+        )
+        if all(s == 0 for s in scores):
+            r.warnings.append("all scores are 0: the model never gets credit and GRPO cannot learn; add partial "
+                              "credit (e.g. for the answer format) or a worked example in the prompt.")
+        elif all(s == 1 for s in scores):
+            r.warnings.append("all scores are 1: the task is already solved; make it harder.")
+    valid = [ep.value for ep in episodes if not ep.timed_out and ep.error is None and not _bad(ep.value)]
+    if len(valid) == len(episodes):
+        groups = [valid[i : i + group] for i in range(0, len(valid), group)]
+        flat = sum(1 for g in groups if max(g) == min(g))
+        r.lines.append(f"groups: {len(groups)}, with no reward spread (all scores equal): {flat}")
+        if flat > len(groups) / 2:
+            r.warnings.append(f"{flat}/{len(groups)} groups have equal scores: GRPO learns nothing from them; "
+                              "grade more finely or raise generation.temperature / num_generations.")
+    slowest = sorted(range(len(episodes)), key=lambda i: -episodes[i].seconds)[:3]
+    r.lines.append("slowest episodes: " + ", ".join(f"{episodes[i].seconds:.2f}s ({completions[i][:30]!r})"
+                                                    for i in slowest))
+    mean_s = statistics.fmean(ep.seconds for ep in episodes)
+    if mean_s > slow_s:
+        r.warnings.append(f"episodes take {mean_s:.1f}s on average (> check.slow_episode_s={slow_s:g}): raise "
+                          "runtime.max_concurrency if the env waits on I/O.")
+    failures = sum(1 for ep in episodes if ep.error is not None or ep.timed_out)
+    r.lines.append(f"failures: {failures}, timeouts: {sum(ep.timed_out for ep in episodes)}")
+
+
+def _bad(value) -> bool:
+    from grpo_pipeline.runtime.episodes import score_problem
+
+    return score_problem(value) is not None
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        report = run_check(cfg)
+    except PipelineError as e:
+        print(f"\nERROR: {e}\nverdict: BROKEN", file=sys.stderr)
+        sys.exit(2)
+    print(report.text())
+    sys.exit(1 if report.broken else 0)
+
+
+if __name__ == "__main__":
+    _hydra_main()
