@@ -7,6 +7,7 @@ leaves a cache that later loads as broken.
 """
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -174,6 +175,23 @@ def build_tiny_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return LlamaForCausalLM(config)
+
+
+def model_type(cfg: ModelConfig) -> str:
+    """The model family (config.model_type), read without loading weights."""
+    if cfg.source == "tiny":
+        return "llama"
+    if cfg.source == "gguf":
+        cached = gguf_cache_dir(cfg)
+        if (cached / _COMPLETE_MARKER).exists():
+            return json.loads((cached / "config.json").read_text())["model_type"]
+        from gguf import GGUFReader
+
+        field = GGUFReader(gguf_path(cfg)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    from transformers import AutoConfig
+
+    return _from_hub(AutoConfig, cfg).model_type
 
 
 def lora_target_modules(model_type: str, configured: list[str] | None) -> list[str]:

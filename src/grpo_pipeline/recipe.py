@@ -20,7 +20,7 @@ from grpo_pipeline.config.schema import TrainConfig
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
 from grpo_pipeline.evaluation import evaluate, split_heldout
-from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
+from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.runtime.episodes import EpisodeRunner
@@ -65,7 +65,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     if cfg.eval.enabled:
         dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.eval.split_seed)
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, [c for c in dataset.column_names if c != "prompt"])
-    reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function())
+    lora_targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules) if cfg.lora.enabled else None
+    reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
 
     grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights)
@@ -79,7 +80,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), tags)
     trainer = None
     try:
-        trainer, logger = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker)
+        trainer, logger = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
@@ -125,7 +126,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         raise
 
 
-def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker):
+def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets):
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
@@ -138,7 +139,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker):
             r=cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
-            target_modules=lora_target_modules(model.config.model_type, cfg.lora.target_modules),
+            target_modules=lora_targets,
             task_type="CAUSAL_LM",
         )
     logger = RunLogger(tracker)

@@ -6,6 +6,7 @@ like a TRL reward function, `fn(prompts=..., completions=..., **dataset_columns,
 and TRL logs each under `rewards/<name>/mean`.
 """
 
+import inspect
 from collections.abc import Callable
 
 from hydra.utils import instantiate
@@ -15,7 +16,11 @@ from grpo_pipeline.config.schema import RewardConfig
 from grpo_pipeline.errors import ConfigError
 
 
-def build_rewards(cfg: RewardConfig, env_reward: Callable) -> tuple[list[Callable], list[float]]:
+_TRL_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
+
+
+def build_rewards(cfg: RewardConfig, env_reward: Callable, columns: list[str]) -> tuple[list[Callable], list[float]]:
+    """The reward functions and their weights; `columns` are the dataset's, checked against what components need."""
     funcs, weights = [], []
     if cfg.env_weight > 0:
         funcs.append(env_reward)
@@ -31,9 +36,25 @@ def build_rewards(cfg: RewardConfig, env_reward: Callable) -> tuple[list[Callabl
             raise ConfigError(
                 f"reward.components.{name}._target_={spec['_target_']!r} cannot be built: {str(e).splitlines()[0]}"
             ) from e
+        missing = [c for c in _required_columns(fn) if c not in columns]
+        if missing:
+            raise ConfigError(
+                f"reward.components.{name} needs dataset column(s) {missing}, which the env's dataset lacks "
+                f"(columns: {columns}). Add them in build_dataset, or drop the component."
+            )
         funcs.append(_named(fn, name))
         weights.append(weight)
     return funcs, weights
+
+
+def _required_columns(fn: Callable) -> list[str]:
+    params = inspect.signature(fn).parameters.values()
+    return [
+        p.name for p in params
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in _TRL_KWARGS
+    ]
 
 
 def _named(fn: Callable, name: str) -> Callable:
