@@ -10,6 +10,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from grpo_pipeline.config import CONFIG_DIR
@@ -23,14 +24,15 @@ register_configs()
 def _hydra_main(cfg: DictConfig) -> float | None:
     from grpo_pipeline.recipe import train
 
-    overrides = list(HydraConfig.get().overrides.task)
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
     try:
         result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides)
     except PipelineError as e:
-        if os.environ.get("GRPO_PIPELINE_TRACEBACK"):
-            raise
+        if os.environ.get("GRPO_PIPELINE_TRACEBACK") or hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # in a sweep, Hydra records the failed job and goes on to the next point
         print(f"\nERROR: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_code", 2))
     print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")
     # The value a sweeper (e.g. Optuna) maximises.
     if result.eval_after:

@@ -1,22 +1,24 @@
 """The GRPO recipe, top to bottom: validate -> env -> dataset -> rewards -> trainer -> train -> save -> log.
 
-Everything up to `_load_weights` is cheap and checks the config, the env class and its dataset, so a bad
-config fails in seconds, before weights load and before an MLflow run exists. After that, a failure
-marks the MLflow run FAILED (KILLED on Ctrl-C) and the adapter / weights trained so far are saved to
-`<run dir>/model-interrupted` first.
+Everything up to `_build_trainer` is cheap and checks the config, the env class and its dataset, so a
+bad config fails in seconds, before weights load and before an MLflow run exists. After that:
+- an error marks the MLflow run FAILED and saves what was trained to `<run dir>/model-interrupted`;
+- SIGINT/SIGTERM finish the step, save a checkpoint, mark the run KILLED and stop;
+- `resume=<run dir>` (or `resume=auto`) continues from the latest checkpoint in the same MLflow run.
+Under `accelerate launch` every process trains; only the main one tracks, evaluates and writes files.
 """
 
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.checkpoints import RUN_ID_FILE, GracefulStop, TrainingStopped, resolve_resume
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
 from grpo_pipeline.evaluation import evaluate, split_heldout
@@ -39,25 +41,28 @@ class RunResult:
     first_reward: float | None
     last_reward: float | None
     average_reward: float | None
-    eval_before: dict | None = None
-    eval_after: dict | None = None
-    mlflow_run_id: str | None = None
-    wall_time_s: float = 0.0
-    train_seconds: float = 0.0
-    rewards: list[float] = field(default_factory=list)
+    eval_before: dict | None
+    eval_after: dict | None
+    mlflow_run_id: str | None
+    wall_time_s: float
+    train_seconds: float
+    rewards: list[float]
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
 
 
-def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] | None = None) -> RunResult:
+def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] | None = None,
+          env: Any = None, tags: dict[str, str] | None = None) -> RunResult:
+    """Run one GRPO training. `env` may be an env class or instance (instead of `env._target_`)."""
     started = time.monotonic()
     launch_dir = launch_dir or os.getcwd()
-    run_dir = Path(cfg.output_dir)
+    is_main = int(os.environ.get("RANK", "0")) == 0
 
     # 1. Everything that can be checked without weights.
     check_config(cfg)
-    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    run_dir, checkpoint = resolve_resume(cfg.resume, cfg.output_dir)
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True), env)
     env_name = type(env).__qualname__
     tokenizer = load_tokenizer(cfg.model)
     dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, get_tool_schemas(env), env_name)
@@ -70,36 +75,52 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
 
     grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights)
-    tracker = Tracker(cfg.tracking, launch_dir)
+    tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main)
 
     # 2. The run.
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    run_name = cfg.tracking.run_name or _run_name(cfg, env_name, overrides)
-    tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])[:5000]}
-    tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), tags)
+    if checkpoint is not None and (run_dir / RUN_ID_FILE).exists():
+        tracker.resume((run_dir / RUN_ID_FILE).read_text().strip())
+        log.warning("Resuming %s from %s", run_dir, checkpoint.name)
+    else:
+        run_name = cfg.tracking.run_name or _run_name(cfg, env_name, overrides)
+        all_tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])[:5000]}
+        tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), all_tags | (tags or {}))
+        if is_main and tracker.run_id:
+            (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
+    if is_main:
+        (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer = None
+    stop = GracefulStop()
     try:
-        trainer, logger = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets)
+        trainer = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
         eval_before = eval_after = None
-        if heldout is not None and cfg.eval.before:
+        if heldout is not None and cfg.eval.before and checkpoint is None and is_main:
             eval_before = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
             _log_eval(tracker, "eval_before", eval_before, step=0)
         train_started = time.monotonic()
-        trainer.train()
+        stop.install()
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        finally:
+            stop.uninstall()
         train_seconds = time.monotonic() - train_started
-        model_path = _save(cfg, trainer, tokenizer, run_dir) if cfg.training.save_model else None
-        if heldout is not None and cfg.eval.after:
+        if stop.signum is not None:
+            raise TrainingStopped(
+                f"Stopped by signal {stop.signum} at step {trainer.state.global_step}; a checkpoint was saved in "
+                f"{run_dir / 'checkpoints'}. Continue with: resume={run_dir}", stop.signum)
+        model_path = _save(trainer, tokenizer, run_dir) if cfg.training.save_model else None
+        if heldout is not None and cfg.eval.after and is_main:
             eval_after = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
             _log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
-        if cfg.lora.enabled and cfg.lora.save_merged and model_path:
+        if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:
             merged = trainer.model.merge_and_unload()
             merged.save_pretrained(run_dir / "model_merged")
             tokenizer.save_pretrained(run_dir / "model_merged")
-        rewards = logger.rewards
+        rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
         result = RunResult(
             run_dir=str(run_dir),
             model_path=model_path,
@@ -116,17 +137,18 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             train_seconds=round(train_seconds, 2),
             rewards=rewards,
         )
-        _write_outputs(result, run_dir, tracker)
+        if is_main:
+            _write_outputs(result, run_dir, tracker)
         tracker.end("FINISHED")
         return result
     except BaseException as e:
-        if trainer is not None and trainer.state.global_step > 0:
+        if trainer is not None and trainer.state.global_step > 0 and not isinstance(e, TrainingStopped):
             _save_interrupted(trainer, run_dir)
-        tracker.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        tracker.end("KILLED" if isinstance(e, KeyboardInterrupt | TrainingStopped) else "FAILED")
         raise
 
 
-def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets):
+def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop):
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
@@ -135,14 +157,8 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     if cfg.lora.enabled:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(
-            r=cfg.lora.r,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=lora_targets,
-            task_type="CAUSAL_LM",
-        )
-    logger = RunLogger(tracker)
+        peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                                 target_modules=lora_targets, task_type="CAUSAL_LM")
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -150,13 +166,13 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
-        callbacks=[logger],
+        callbacks=[RunLogger(tracker), stop],
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
-    return trainer, logger
+    return trainer
 
 
-def _save(cfg, trainer, tokenizer, run_dir: Path) -> str:
+def _save(trainer, tokenizer, run_dir: Path) -> str:
     path = run_dir / "model"
     trainer.save_model(str(path))  # the LoRA adapter when lora.enabled, else the full weights
     tokenizer.save_pretrained(path)
@@ -173,10 +189,8 @@ def _save_interrupted(trainer, run_dir: Path) -> None:
 
 
 def _log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int) -> None:
-    log.warning(
-        "%s: mean reward %.3f, success rate %.3f over %d held-out prompts",
-        prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"],
-    )
+    log.warning("%s: mean reward %.3f, success rate %.3f over %d held-out prompts",
+                prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"])
     tracker.log_metrics({f"{prefix}/mean_reward": metrics["mean_reward"],
                          f"{prefix}/success_rate": metrics["success_rate"]}, step=step)
 

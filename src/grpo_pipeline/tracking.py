@@ -38,8 +38,8 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
 class Tracker:
     """One MLflow run. With tracking disabled every method is a no-op."""
 
-    def __init__(self, cfg: TrackingConfig, launch_dir: str | Path):
-        self.enabled = cfg.enabled
+    def __init__(self, cfg: TrackingConfig, launch_dir: str | Path, enabled: bool = True):
+        self.enabled = cfg.enabled and enabled
         self.run_id: str | None = None
         if not self.enabled:
             return
@@ -75,6 +75,13 @@ class Tracker:
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
+    def resume(self, run_id: str) -> None:
+        """Continue an earlier run (after a crash): metrics go on from the checkpoint's step."""
+        if not self.enabled:
+            return
+        self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.run_id:
             return
@@ -103,20 +110,17 @@ def numeric(logs: dict) -> dict[str, float]:
 
 
 class RunLogger(ProgressCallback):
-    """Keeps the progress bar; per logging step prints one readable line, logs metrics to MLflow
-    and keeps the mean rewards for the summary."""
+    """Keeps the progress bar; per logging step prints one readable line and logs metrics to MLflow."""
 
     def __init__(self, tracker: Tracker):
         super().__init__()
         self.tracker = tracker
-        self.rewards: list[float] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         metrics = numeric(logs or {})
         self.tracker.log_metrics(metrics, step=state.global_step)
         if "reward" not in metrics:
             return
-        self.rewards.append(metrics["reward"])
         parts = [
             f"epoch {metrics.get('epoch', 0):.2f}/{state.num_train_epochs:g}",
             f"step {state.global_step}/{state.max_steps}",

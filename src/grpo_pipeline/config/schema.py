@@ -178,6 +178,9 @@ class TrainConfig:
     seed: int = 42
     # Where this job writes (Hydra's run dir by default).
     output_dir: str = MISSING
+    # null: a new run | auto: continue output_dir from its latest checkpoint, if any |
+    # <run dir>: continue that earlier run (same MLflow run) from its latest checkpoint.
+    resume: Optional[str] = None
 
 
 def register_configs() -> None:

@@ -82,10 +82,15 @@ def check_env_kwargs(cls: type, kwargs: dict) -> None:
         ) from e
 
 
-def load_env(env_cfg: dict) -> Any:
-    """Instantiate the env from its config node: {_target_: ..., **constructor_kwargs}."""
+def load_env(env_cfg: dict, env: Any = None) -> Any:
+    """Instantiate the env from its config node: {_target_: ..., **constructor_kwargs}.
+    `env`, when given, is an env class (instantiated with the node's kwargs) or a ready instance."""
     env_cfg = dict(env_cfg)
     target = env_cfg.pop("_target_", None)
+    if env is not None and not isinstance(env, type):
+        check_env_class(type(env))
+        return env
+    target = env if env is not None else target
     if target is None:
         raise ConfigError(
             "env._target_ is missing. Pick an env (env=arithmetic, env=hotel) or set "
