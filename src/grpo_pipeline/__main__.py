@@ -41,6 +41,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "translate":  # grpo-pipeline translate [--run] -- <other CLI's flags>
+        from grpo_pipeline.translate import main as translate_main
+
+        translate_main(sys.argv[2:])
+        return
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     _hydra_main()
 

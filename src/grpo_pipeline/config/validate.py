@@ -110,6 +110,12 @@ def _vllm_problems(cfg: TrainConfig) -> list[str]:
 
 
 def check_config(cfg: TrainConfig) -> None:
+    from omegaconf import OmegaConf
+
+    missing = [k for k in OmegaConf.missing_keys(cfg) if not k.startswith("env.")]
+    if missing:
+        raise ConfigError(f"Required config value(s) not set: {', '.join(sorted(missing))}. "
+                          "Set them on the command line (key=value) or in your config.")
     problems = config_problems(cfg)
     if problems:
         raise ConfigError("Invalid config:\n" + "\n".join(f"  - {x}" for x in problems))
