@@ -46,12 +46,15 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = cfg.tracking_uri or default_tracking_uri(launch_dir)
+        # Fail in seconds, not after minutes of retries, when a tracking server is unreachable.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         artifacts = None
-        if self.uri.startswith("sqlite:///"):  # a local store: artifacts go next to the database
-            db_dir = Path(self.uri.removeprefix("sqlite:///")).resolve().parent
-            db_dir.mkdir(parents=True, exist_ok=True)
-            artifacts = (db_dir / "mlartifacts").as_uri()
         try:
+            if self.uri.startswith("sqlite:///"):  # a local store: artifacts go next to the database
+                db_dir = Path(self.uri.removeprefix("sqlite:///")).resolve().parent
+                db_dir.mkdir(parents=True, exist_ok=True)
+                artifacts = (db_dir / "mlartifacts").as_uri()
             self.client = MlflowClient(tracking_uri=self.uri)
             experiment = self.client.get_experiment_by_name(cfg.experiment_name)
             if experiment is None:
