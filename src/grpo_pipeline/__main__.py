@@ -23,14 +23,22 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from grpo_pipeline.recipe import train
+    from grpo_pipeline.sweep import sweep_job
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     try:
-        result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides)
-    except PipelineError as e:
-        if os.environ.get("GRPO_PIPELINE_TRACEBACK") or hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # in a sweep, Hydra records the failed job and goes on to the next point
+        tags, name = sweep_job(hydra_cfg.sweep.dir, overrides) if hydra_cfg.mode == RunMode.MULTIRUN else (None, None)
+        if name and not cfg.tracking.run_name:
+            cfg.tracking.run_name = name
+        result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides, tags=tags)
+    except Exception as e:
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # the job's MLflow run is FAILED; the sweep goes on
+            logging.getLogger("grpo_pipeline").error("Job %s failed: %s", hydra_cfg.job.num, e,
+                                                     exc_info=bool(os.environ.get("GRPO_PIPELINE_TRACEBACK")))
+            return None
+        if not isinstance(e, PipelineError) or os.environ.get("GRPO_PIPELINE_TRACEBACK"):
+            raise
         print(f"\nERROR: {e}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
     print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")

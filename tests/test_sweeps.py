@@ -1,0 +1,132 @@
+"""Sweeps: a 2x2 Hydra multirun on the tiny model -> four MLflow child runs under a parent, a table and
+a plot; sweep/launcher/Optuna presets compose; multi-process training through accelerate (gloo, CPU)."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from mlflow.tracking import MlflowClient
+
+from grpo_pipeline.compare import main as compare_main
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.sweep import swept_keys
+
+TINY = ["model=tiny", "env.num_samples=16", "training.max_steps=2", "eval.enabled=false",
+        "generation.max_new_tokens=4", "training.batch_size=4"]
+
+
+def test_2x2_sweep_makes_four_child_runs_a_table_and_a_plot(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", *TINY, "loss.kl_coef=0,0.1",
+                           "generation.num_generations=2,4", "hydra.sweep.dir=sweep"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Sweep results (sorted by reward)" in proc.stdout
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("grpo_pipeline")
+    parent_id = (tmp_path / "sweep" / "sweep_parent_run_id").read_text()
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert len(children) == 4 and all(r.info.status == "FINISHED" for r in children)
+    points = {(r.data.params["loss.kl_coef"], r.data.params["generation.num_generations"]) for r in children}
+    assert points == {("0.0", "2"), ("0.0", "4"), ("0.1", "2"), ("0.1", "4")}
+    assert {r.info.run_name for r in children} == {
+        f"loss.kl_coef={k},generation.num_generations={g}" for k in ("0", "0.1") for g in ("2", "4")}
+    assert all(r.data.tags["sweep_id"] == "sweep" for r in children)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep_role"] == "parent"
+    assert {a.path for a in client.list_artifacts(parent_id)} >= {"comparison.png", "comparison.txt"}
+    assert (tmp_path / "sweep" / "comparison.png").stat().st_size > 1000
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert table.count("FINISHED") == 4 and "loss.kl_coef=0.1,generation.num_generations=4" in table
+
+
+def test_failed_job_is_marked_and_the_sweep_goes_on(tmp_path):
+    (tmp_path / "flaky.py").write_text(
+        "from datasets import Dataset\n"
+        "class Flaky:\n"
+        "    def __init__(self, fail=False):\n        self.fail = fail\n"
+        "    def build_dataset(self, tokenizer):\n        return Dataset.from_list([{'prompt': 'x'}] * 8)\n"
+        "    def score_episode(self, model, tokenizer, completion):\n"
+        "        if self.fail:\n            raise RuntimeError('boom')\n        return 0.5\n")
+    tiny = [o for o in TINY if not o.startswith("env")]
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", *tiny, "env=custom", "env._target_=flaky.Flaky",
+                           "+env.fail=true,false", "runtime.on_error=raise", "generation.num_generations=2",
+                           "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "1 job(s) of the sweep failed" in proc.stderr + proc.stdout
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert re.search(r"\+env.fail=False\s*\| FINISHED", table) and re.search(r"\+env.fail=True\s*\| FAILED", table)
+
+
+def test_compare_cli_on_an_experiment(tmp_path, capsys):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("exp", artifact_location=(tmp_path / "a").as_uri())
+    for name, rewards in (("low", [0.1, 0.2]), ("high", [0.3, 0.9])):
+        run = client.create_run(exp, run_name=name)
+        for step, value in enumerate(rewards, 1):
+            client.log_metric(run.info.run_id, "reward", value, step=step)
+        client.set_terminated(run.info.run_id)
+    compare_main(["exp", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--out", str(tmp_path / "cmp")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("high ") and lines[3].startswith("low ")  # sorted by final reward
+    assert (tmp_path / "cmp" / "comparison.png").exists()
+
+
+def test_swept_keys():
+    assert swept_keys(["model=tiny", "loss.kl_coef=0,0.1", "+env.x=range(1,3)"], {"lora.r": "choice(8,16)"}) == [
+        "loss.kl_coef", "env.x", "lora.r"]
+
+
+def _hydra_compose(overrides):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose("train", overrides=overrides, return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_sweep_preset_composes():
+    cfg = _hydra_compose(["+sweep=kl_x_generations"])
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    assert dict(cfg.hydra.sweeper.params) == {"loss.kl_coef": "0.0,0.05,0.1", "generation.num_generations": "4,8"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
+                    reason="hydra-submitit-launcher not installed (pip install '.[sweep]')")
+def test_slurm_launcher_composes():
+    cfg = _hydra_compose(["+launcher=slurm"])
+    assert "SlurmLauncher" in cfg.hydra.launcher._target_ and cfg.hydra.launcher.gpus_per_node == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is None,
+                    reason="hydra-ray-launcher not installed (pip install '.[ray]': pulls Ray, ~GBs)")
+def test_ray_launcher_composes():
+    cfg = _hydra_compose(["+launcher=ray"])
+    assert "RayLauncher" in cfg.hydra.launcher._target_
+
+
+@pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None,
+                    reason="hydra-optuna-sweeper not installed (pip install '.[sweep]')")
+def test_optuna_search_composes():
+    cfg = _hydra_compose(["+hparams_search=optuna"])
+    assert "OptunaSweeper" in cfg.hydra.sweeper._target_ and cfg.hydra.sweeper.direction == "maximize"
+
+
+def test_two_processes_through_accelerate(tmp_path):
+    proc = subprocess.run(["accelerate", "launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+                           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "grpo_pipeline", *TINY,
+                           "generation.num_generations=2", "hydra.run.dir=run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": f"{sys.prefix}/bin:" + os.environ["PATH"]})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("grpo_pipeline").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # only the main process tracks
