@@ -118,3 +118,70 @@ def test_bad_tool_schema():
     env.get_tools = lambda: [{"type": "function", "function": {"description": "no name"}}]
     with pytest.raises(ConfigError, match=r"get_tools\(\)\[0\] is not an OpenAI function schema"):
         get_tool_schemas(env)
+
+
+def test_tool_functions_need_a_template_that_renders_tool_calls():
+    from grpo_pipeline.envs.loader import get_tool_functions
+    from grpo_pipeline.models import build_tiny_tokenizer
+
+    def search_rooms(city: str) -> str:
+        """Search rooms.
+
+        Args:
+            city: The city.
+        """
+        return "[]"
+
+    env = _Env(None)
+    env.get_tool_functions = lambda: [search_rooms]
+    with pytest.raises(ConfigError, match=r"_Env.get_tool_functions\(\) gives tools for TRL's tool loop, but the "
+                                          "model's chat template cannot render tool calls"):
+        get_tool_functions(env, build_tiny_tokenizer())
+    env.get_tool_functions = lambda: [lambda city: city]
+    with pytest.raises(ConfigError, match="must be a callable with type hints and a Google-style docstring"):
+        get_tool_functions(env, build_tiny_tokenizer())
+    assert get_tool_functions(_Env(None), build_tiny_tokenizer()) == []
+
+
+TOOL_ENV = '''
+from datasets import Dataset
+
+
+def search_rooms(city: str) -> str:
+    """Search the rooms of a city.
+
+    Args:
+        city: The city to search.
+    """
+    return '[{"room_id": "LIS-101"}]'
+
+
+class ToolEnv:
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": "Find a room in Lisbon"}]}] * 8)
+
+    def get_tool_functions(self):
+        return [search_rooms]
+
+    def score_episode(self, model, tokenizer, completion):
+        return 1.0 if "LIS-101" in completion else 0.0
+'''
+
+
+def test_tool_functions_are_wired_into_trl(tmp_path, monkeypatch, compose_cfg):
+    from conftest import tiny_overrides
+
+    from grpo_pipeline.recipe import train
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tool_env.py").write_text(TOOL_ENV)
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("env")]
+    cfg = compose_cfg([*overrides, "env=custom", "env._target_=tool_env.ToolEnv", "model.chat_template=trl:qwen2_5",
+                       "training.max_steps=1"])
+    result = train(cfg, launch_dir=str(tmp_path))
+    assert result.steps == 1
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(result.mlflow_run_id)
+    assert "tools/call_frequency" in run.data.metrics  # TRL's tool loop ran with the env's tools

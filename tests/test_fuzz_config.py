@@ -45,7 +45,8 @@ OUT_OF_RANGE = [
     ["model.source=gguf", "model.gguf_package=null"], ["model.source=gguf", "model.gguf_package=nopkg_zz"],
     ["env.num_samples=0"], ["env.min_value=90", "env.max_value=10"], ["env.operations=[/]"],
     ["env.format_weight=0.9"], ["env=hotel", "env.difficulty=extreme"], ["env=hotel", "env.max_turns=0"],
-    ["resume=/no/such/run/dir"], ["generation.num_generations=3"],
+    ["resume=/no/such/run/dir"], ["generation.num_generations=3"], ["model.chat_template=trl:nope"],
+    ["model.chat_template=/no/such.jinja"],
 ]
 UNKNOWN_OPTIONS = [[f"{g}=nonexistent_option"] for g in ("model", "env", "loss", "vllm", "lora", "reward")]
 BAD_TARGETS = [

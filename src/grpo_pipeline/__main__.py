@@ -7,6 +7,7 @@ set GRPO_PIPELINE_TRACEBACK=1 to see the Python traceback too.
 import logging
 import os
 import sys
+import warnings
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -55,6 +56,7 @@ def main() -> None:
         translate_main(sys.argv[2:])
         return
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' v6 renames flood the console
     _hydra_main()
 
 

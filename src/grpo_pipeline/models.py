@@ -138,10 +138,24 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
         tokenizer = _from_hub(AutoTokenizer, cfg)
+    if cfg.chat_template:
+        tokenizer.chat_template = read_chat_template(cfg.chat_template)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def read_chat_template(spec: str) -> str:
+    if spec.startswith("trl:"):
+        path = Path(importlib.util.find_spec("trl").submodule_search_locations[0]) / "chat_templates" / f"{spec[4:]}.jinja"
+    else:
+        path = Path(spec)
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.jinja")) if spec.startswith("trl:") else []
+        raise ConfigError(f"model.chat_template={spec!r}: no such template file ({path})."
+                          + (f" TRL ships: {', '.join(known)}" if known else ""))
+    return path.read_text()
 
 
 def load_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):

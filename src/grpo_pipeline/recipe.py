@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_pipeline.checkpoints import RUN_ID_FILE, GracefulStop, TrainingStopped, resolve_resume
 from grpo_pipeline.config.validate import check_config
-from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
+from grpo_pipeline.envs.loader import build_env_dataset, get_tool_functions, get_tool_schemas, load_env
 from grpo_pipeline.evaluation import evaluate, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
@@ -65,7 +65,10 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     env = load_env(OmegaConf.to_container(cfg.env, resolve=True), env)
     env_name = type(env).__qualname__
     tokenizer = load_tokenizer(cfg.model)
-    dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, get_tool_schemas(env), env_name)
+    tool_functions = get_tool_functions(env, tokenizer)
+    dataset = build_env_dataset(env, tokenizer)
+    if not tool_functions:  # with tool functions TRL renders the prompts with their schemas itself
+        dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), env_name)
     heldout = None
     if cfg.eval.enabled:
         dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.eval.split_seed)
@@ -93,7 +96,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     trainer = None
     stop = GracefulStop()
     try:
-        trainer = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop)
+        trainer = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop,
+                                 tool_functions)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
@@ -148,7 +152,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         raise
 
 
-def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop):
+def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop, tools):
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
@@ -167,6 +171,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[RunLogger(tracker), stop],
+        tools=tools or None,
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     return trainer

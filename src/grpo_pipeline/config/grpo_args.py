@@ -44,6 +44,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "max_grad_norm": train.max_grad_norm,
         "bf16": train.bf16,
+        "activation_checkpointing": train.activation_checkpointing,
         "use_cpu": use_cpu,
         # logging and saving: metrics go to MLflow through our own callback (tracking.py)
         "logging_steps": train.logging_steps,

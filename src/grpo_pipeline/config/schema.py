@@ -26,6 +26,9 @@ class ModelConfig:
     gguf_package: Optional[str] = None
     gguf_file: Optional[str] = None
     dtype: str = "float32"
+    # Replace the tokenizer's chat template: a .jinja file, or "trl:<name>" for one TRL ships
+    # (e.g. trl:qwen2_5, a ChatML template that renders tools and tool calls).
+    chat_template: Optional[str] = None
     # Size of the tiny model (source=tiny only).
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 2
@@ -109,6 +112,9 @@ class TrainingConfig:
     save_steps: int = 0
     save_total_limit: int = 2
     bf16: bool = False
+    # Recompute activations in the backward pass: saves memory on big models, costs time (TRL's default
+    # is true; small models on CPU train faster without).
+    activation_checkpointing: bool = False
     # null: CPU when no GPU is present.
     use_cpu: Optional[bool] = None
     # Save the trained weights / adapter to <run dir>/model.

@@ -158,3 +158,26 @@ def get_tool_schemas(env: Any) -> list[dict]:
                 "({'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}})."
             )
     return tools
+
+
+def get_tool_functions(env: Any, tokenizer) -> list:
+    """The env's tools as Python callables (optional `get_tool_functions()`), for TRL's tool loop: the
+    model's tool calls are executed during generation and the results fed back before scoring."""
+    get_functions = getattr(env, "get_tool_functions", None)
+    if get_functions is None:
+        return []
+    functions = list(get_functions() or [])
+    name = type(env).__qualname__
+    for i, fn in enumerate(functions):
+        if not callable(fn) or not getattr(fn, "__doc__", None):
+            raise ConfigError(f"{name}.get_tool_functions()[{i}] must be a callable with type hints and a "
+                              "Google-style docstring (TRL builds the tool schema from them).")
+    from trl.chat_template_utils import supports_tool_calling
+
+    if functions and not supports_tool_calling(tokenizer):
+        raise ConfigError(
+            f"{name}.get_tool_functions() gives tools for TRL's tool loop, but the model's chat template cannot "
+            "render tool calls. Use a model whose template can (e.g. Qwen2.5/Qwen3 instruct), or drop "
+            "get_tool_functions and run the tools inside score_episode from get_tools() schemas (as env=hotel does)."
+        )
+    return functions
