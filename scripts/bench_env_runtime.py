@@ -76,8 +76,8 @@ def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
         tok.padding_side = "left"
         env = ArithmeticEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
 
-        def reward(completions, answer, **_):
-            return [env.score_episode(None, tok, completion_text(c), a) for c, a in zip(completions, answer)]
+        def reward(completions, answer, env=env, tok=tok, **_):
+            return [env.score_episode(None, tok, completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
 
         from peft import LoraConfig
 

@@ -10,6 +10,9 @@ from grpo_pipeline.errors import ConfigError
 
 GROUPS = ["model", "env", "loss", "vllm", "lora", "reward"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+# Options with a required (???) value that the user supplies.
+REQUIRED = {("model", "hub"): ["model.name_or_path=org/some-model"],
+            ("env", "custom"): ["env._target_=my_envs.hotel_env.HotelEnv"]}
 
 
 def test_every_group_has_options():
@@ -19,7 +22,7 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS)
 def test_every_option_composes_and_validates(compose_cfg, group, option, tmp_path):
-    cfg = compose_cfg([f"{group}={option}", f"output_dir={tmp_path}"])
+    cfg = compose_cfg([f"{group}={option}", *REQUIRED.get((group, option), []), f"output_dir={tmp_path}"])
     assert cfg[group] is not None
     problems = config_problems(cfg)
     if group == "vllm" and option != "off":  # no GPU here: vLLM modes must be refused, clearly

@@ -170,7 +170,6 @@ class ToolEnv:
 
 def test_tool_functions_are_wired_into_trl(tmp_path, monkeypatch, compose_cfg):
     from conftest import tiny_overrides
-
     from grpo_pipeline.recipe import train
 
     monkeypatch.chdir(tmp_path)

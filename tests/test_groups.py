@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
 from mlflow.tracking import MlflowClient
 
+from conftest import tiny_overrides
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.launch import plan

@@ -5,9 +5,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, tiny_overrides
 from mlflow.tracking import MlflowClient
 
+from conftest import run_cli, tiny_overrides
 from grpo_pipeline.errors import EnvError
 from grpo_pipeline.recipe import train
 

@@ -25,7 +25,8 @@ def collect(client, target: str) -> tuple[list, str | None]:
     except Exception:
         experiment = client.get_experiment_by_name(target)
         if experiment is None:
-            raise SystemExit(f"ERROR: '{target}' is neither a run id nor an experiment name in {client.tracking_uri}")
+            raise SystemExit(
+                f"ERROR: '{target}' is neither a run id nor an experiment name in {client.tracking_uri}") from None
         runs = [r for r in client.search_runs([experiment.experiment_id]) if r.data.tags.get("sweep_role") != "parent"]
     return runs, parent
 

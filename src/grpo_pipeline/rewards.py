@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from grpo_pipeline.config.schema import RewardConfig
 from grpo_pipeline.errors import ConfigError
 
-
 _TRL_KWARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
 
 

@@ -9,7 +9,7 @@ class. Those kwargs are checked against the class signature at startup (see envs
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -22,13 +22,13 @@ class ModelConfig:
     # tiny: random weights + tokenizer built in code | hub: transformers id or local folder |
     # gguf: a GGUF file shipped inside a Python package, converted once to a cached safetensors folder.
     source: str = "hub"
-    name_or_path: Optional[str] = None
-    gguf_package: Optional[str] = None
-    gguf_file: Optional[str] = None
+    name_or_path: str | None = None
+    gguf_package: str | None = None
+    gguf_file: str | None = None
     dtype: str = "float32"
     # Replace the tokenizer's chat template: a .jinja file, or "trl:<name>" for one TRL ships
     # (e.g. trl:qwen2_5, a ChatML template that renders tools and tool calls).
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     # Size of the tiny model (source=tiny only).
     tiny_hidden_size: int = 64
     tiny_num_layers: int = 2
@@ -52,7 +52,7 @@ class LossConfig:
     kl_coef: float = 0.0
     # PPO-style clip range (TRL's epsilon); epsilon_high defaults to it when null.
     clip_range: float = 0.2
-    epsilon_high: Optional[float] = None
+    epsilon_high: float | None = None
     # group | batch | none (Dr. GRPO recommends none).
     scale_rewards: str = "group"
     # Exclude completions cut at max_new_tokens from the loss (DAPO).
@@ -67,7 +67,7 @@ class VllmConfig:
     mode: str = "off"
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
-    server_base_url: Optional[str] = None
+    server_base_url: str | None = None
     server_host: str = "0.0.0.0"
     server_port: int = 8000
     # GPUs dedicated to the vLLM server (server mode); the rest train.
@@ -81,7 +81,7 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     # null: chosen from the model family (see models.LORA_TARGETS).
-    target_modules: Optional[List[str]] = None
+    target_modules: list[str] | None = None
     # Also write merged full weights next to the adapter.
     save_merged: bool = False
 
@@ -91,7 +91,7 @@ class RewardConfig:
     # Weight of the env's score_episode score; 0 drops it.
     env_weight: float = 1.0
     # name -> {_target_: a reward callable, weight: float, **kwargs}
-    components: Dict[str, Any] = field(default_factory=dict)
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,7 +116,7 @@ class TrainingConfig:
     # is true; small models on CPU train faster without).
     activation_checkpointing: bool = False
     # null: CPU when no GPU is present.
-    use_cpu: Optional[bool] = None
+    use_cpu: bool | None = None
     # Save the trained weights / adapter to <run dir>/model.
     save_model: bool = True
 
@@ -145,7 +145,7 @@ class EvalConfig:
     split_seed: int = 0
     batch_size: int = 16
     # null: generation.max_new_tokens.
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int | None = None
     before: bool = True
     after: bool = True
 
@@ -162,15 +162,15 @@ class CheckConfig:
 class TrackingConfig:
     enabled: bool = True
     # null: sqlite:///<launch dir>/outputs/mlflow.db
-    tracking_uri: Optional[str] = None
+    tracking_uri: str | None = None
     experiment_name: str = "grpo_pipeline"
-    run_name: Optional[str] = None
+    run_name: str | None = None
 
 
 @dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
-    env: Dict[str, Any] = MISSING
+    env: dict[str, Any] = MISSING
     loss: LossConfig = MISSING
     vllm: VllmConfig = MISSING
     lora: LoraConfig = MISSING
@@ -186,7 +186,7 @@ class TrainConfig:
     output_dir: str = MISSING
     # null: a new run | auto: continue output_dir from its latest checkpoint, if any |
     # <run dir>: continue that earlier run (same MLflow run) from its latest checkpoint.
-    resume: Optional[str] = None
+    resume: str | None = None
 
 
 def register_configs() -> None:

@@ -18,7 +18,7 @@ ON_ERROR = ("raise", "zero")
 
 def config_problems(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
-    gen, loss, train, vllm, run = cfg.generation, cfg.loss, cfg.training, cfg.vllm, cfg.runtime
+    gen, loss, train, run = cfg.generation, cfg.loss, cfg.training, cfg.runtime
 
     if cfg.model.source not in MODEL_SOURCES:
         p.append(f"model.source={cfg.model.source!r}: use one of {MODEL_SOURCES}.")

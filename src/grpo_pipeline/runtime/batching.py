@@ -14,7 +14,6 @@ inputs other than token ids) run on their own.
 import threading
 import time
 from collections import defaultdict
-from typing import Any
 
 import torch
 
