@@ -15,9 +15,11 @@ import tempfile
 import time
 
 import torch
+from transformers import TrainerCallback
 
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
 from grpo_pipeline.models import build_tiny_tokenizer, load_model
+from grpo_pipeline.recipe import train
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 
 
@@ -48,28 +50,49 @@ def time_scoring(env, model, tok, n: int, repeats: int, **runtime) -> float:
     return statistics.median(times)
 
 
+class StepTimer(TrainerCallback):
+    """Wall time between consecutive steps: generation, scoring, backward, optimizer and logging."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+    def median_step(self, skip: int = 3) -> float:
+        gaps = [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+        return statistics.median(gaps[skip:])
+
+
 def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
+    """Median step time of the pipeline and of a plain TRL script, interleaved, best of `repeats`."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from peft import LoraConfig
     from trl import GRPOTrainer
 
+    import grpo_pipeline.recipe as recipe
     from grpo_pipeline.config import CONFIG_DIR
     from grpo_pipeline.config.grpo_args import build_grpo_config
     from grpo_pipeline.config.schema import register_configs
     from grpo_pipeline.envs.arithmetic import ArithmeticEnv
-    from grpo_pipeline.recipe import train
     from grpo_pipeline.runtime.episodes import completion_text
 
     register_configs()
     tmp = tempfile.mkdtemp()
     overrides = ["model=tiny", "env=arithmetic", "eval.enabled=false", f"training.max_steps={steps}",
                  "training.save_model=false", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db"]
+    build = recipe._build_trainer
     pipeline, plain = [], []
     for r in range(repeats):
         GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*overrides, f"output_dir={tmp}/p{r}"])
-        pipeline.append(train(cfg, launch_dir=tmp).train_seconds / steps)
+        timer = StepTimer()
+        recipe._build_trainer = lambda *a, timer=timer: _with(build(*a), timer)
+        train(cfg, launch_dir=tmp)
+        recipe._build_trainer = build
+        pipeline.append(timer.median_step())
 
         # The same run as a plain TRL script: same model, data, GRPOConfig and score, no pipeline.
         tok = build_tiny_tokenizer()
@@ -79,24 +102,27 @@ def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
         def reward(completions, answer, env=env, tok=tok, **_):
             return [env.score_episode(None, tok, completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
 
-        from peft import LoraConfig
-
+        timer = StepTimer()
         trainer = GRPOTrainer(
             model=load_model(cfg.model, tok), reward_funcs=[reward], train_dataset=env.build_dataset(tok),
-            args=build_grpo_config(cfg, f"{tmp}/plain{r}", [1.0]), processing_class=tok,
+            args=build_grpo_config(cfg, f"{tmp}/plain{r}", [1.0]), processing_class=tok, callbacks=[timer],
             peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         )
-        start = time.perf_counter()
         trainer.train()
-        plain.append((time.perf_counter() - start) / steps)
-    return statistics.median(pipeline), statistics.median(plain)
+        plain.append(timer.median_step())
+    return min(pipeline), min(plain)
+
+
+def _with(trainer, callback):
+    trainer.add_callback(callback)
+    return trainer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
