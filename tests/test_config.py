@@ -94,3 +94,10 @@ def test_all_problems_reported_at_once(compose_cfg, tmp_path):
     with pytest.raises(ConfigError) as e:
         check_config(cfg)
     assert "generation.temperature" in str(e.value) and "loss.kl_coef" in str(e.value)
+
+
+def test_colocate_tensor_parallel_must_divide_the_processes(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = compose_cfg(["vllm=colocate", "vllm.tensor_parallel_size=2", f"output_dir={tmp_path}"])
+    assert any("vllm.tensor_parallel_size=2 does not divide the 3 training process(es)" in p
+               for p in config_problems(cfg))

@@ -130,3 +130,12 @@ def test_two_processes_through_accelerate(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("grpo_pipeline").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # only the main process tracks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_accelerate_configs_are_valid_yaml(stage):
+    import yaml
+
+    path = CONFIG_DIR.parent / "accelerate" / f"deepspeed_zero{stage}.yaml"
+    config = yaml.safe_load(path.read_text())
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == stage

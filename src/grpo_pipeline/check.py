@@ -82,7 +82,7 @@ def run_check(cfg: DictConfig) -> Report:
             r.broken.append(f"score_episode {score_problem(ep.value)} completion {completion[:80]!r}")
         else:
             scores.append(float(ep.value))
-    _score_report(r, scores, [ep for ep in episodes], group, completions, cfg.check.slow_episode_s)
+    _score_report(r, scores, episodes, group, completions, cfg.check.slow_episode_s)
     return r
 
 
@@ -98,9 +98,8 @@ def _score_report(r: Report, scores, episodes, group: int, completions, slow_s: 
                               "credit (e.g. for the answer format) or a worked example in the prompt.")
         elif all(s == 1 for s in scores):
             r.warnings.append("all scores are 1: the task is already solved; make it harder.")
-    valid = [ep.value for ep in episodes if not ep.timed_out and ep.error is None and not _bad(ep.value)]
-    if len(valid) == len(episodes):
-        groups = [valid[i : i + group] for i in range(0, len(valid), group)]
+    if len(scores) == len(episodes):  # group spread is only meaningful when every episode scored
+        groups = [scores[i : i + group] for i in range(0, len(scores), group)]
         flat = sum(1 for g in groups if max(g) == min(g))
         r.lines.append(f"groups: {len(groups)}, with no reward spread (all scores equal): {flat}")
         if flat > len(groups) / 2:
@@ -115,12 +114,6 @@ def _score_report(r: Report, scores, episodes, group: int, completions, slow_s: 
                           "runtime.max_concurrency if the env waits on I/O.")
     failures = sum(1 for ep in episodes if ep.error is not None or ep.timed_out)
     r.lines.append(f"failures: {failures}, timeouts: {sum(ep.timed_out for ep in episodes)}")
-
-
-def _bad(value) -> bool:
-    from grpo_pipeline.runtime.episodes import score_problem
-
-    return score_problem(value) is not None
 
 
 def _indent(text: str) -> str:

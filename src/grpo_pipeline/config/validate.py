@@ -104,8 +104,12 @@ def _vllm_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"vllm={vllm.mode} needs the vllm package: pip install '.[vllm]' (GPU machines only).")
     if not 0 < vllm.gpu_memory_utilization <= 1:
         p.append(f"vllm.gpu_memory_utilization={vllm.gpu_memory_utilization}: must be in (0, 1].")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if vllm.tensor_parallel_size < 1:
         p.append(f"vllm.tensor_parallel_size={vllm.tensor_parallel_size}: must be >= 1.")
+    elif vllm.mode == "colocate" and world % vllm.tensor_parallel_size:
+        p.append(f"vllm.tensor_parallel_size={vllm.tensor_parallel_size} does not divide the {world} training "
+                 "process(es); colocated vLLM shards each model over tensor_parallel_size of them.")
     return p
 
 
