@@ -60,3 +60,12 @@ def test_default_output_dir_is_under_outputs_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = grpo_pipeline.compose_config(["model=tiny"])
     assert cfg.output_dir.startswith("outputs/runs/")
+
+
+def test_console_script_is_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(sys.prefix) / "bin" / "grpo-pipeline"
+    proc = subprocess.run([str(script), "env=hotel", "--cfg", "job"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0 and "_target_: grpo_pipeline.envs.hotel.HotelEnv" in proc.stdout

@@ -139,3 +139,11 @@ def test_deepspeed_accelerate_configs_are_valid_yaml(stage):
     path = CONFIG_DIR.parent / "accelerate" / f"deepspeed_zero{stage}.yaml"
     config = yaml.safe_load(path.read_text())
     assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == stage
+
+
+def test_ray_launcher_preset_shape_without_the_plugin():
+    from omegaconf import OmegaConf
+
+    preset = OmegaConf.load(CONFIG_DIR / "launcher" / "ray.yaml")
+    assert {"override /hydra/launcher": "ray"} in list(preset.defaults)
+    assert preset.hydra.launcher.ray.remote.num_gpus == 1

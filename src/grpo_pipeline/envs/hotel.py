@@ -54,7 +54,8 @@ class HotelEnv:
         num_samples: int = 200,
         max_turns: int = 3,
         difficulty: str = "normal",
-        turn_max_new_tokens: int = 96,
+        turn_max_new_tokens: int = 64,
+        num_shot: int = 1,
         seed: int = 0,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
@@ -63,6 +64,7 @@ class HotelEnv:
             raise ValueError("max_turns must be >= 1")
         self.num_samples, self.max_turns, self.difficulty = num_samples, max_turns, difficulty
         self.turn_max_new_tokens = turn_max_new_tokens
+        self.num_shot = num_shot
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -115,12 +117,21 @@ class HotelEnv:
         return Dataset.from_list(rows)
 
     def _opening(self, request: dict) -> list[dict]:
-        wish = f", with {' and '.join(request['features'])}" if request["features"] else ""
-        ask = (
-            f"Hi! I need a room in {request['city']} for {request['guests']} guest(s), "
-            f"at most {request['max_price']} EUR per night{wish}."
-        )
-        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
+        return [{"role": "system", "content": SYSTEM}] + self._worked_example() * min(self.num_shot, 1) + [
+            {"role": "user", "content": _ask(request)}]
+
+    def _worked_example(self) -> list[dict]:
+        """One solved booking (search, result, booking), so a small model sees the tool-call format."""
+        room = self.rooms["POR-101"]
+        request = {"city": "Porto", "guests": 1, "max_price": room["price"], "features": room["features"][:1]}
+        args = {"city": "Porto", "guests": 1, "max_price": room["price"]}
+        return [
+            {"role": "user", "content": _ask(request)},
+            {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'},
+            {"role": "tool", "content": json.dumps([room])},
+            {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": room["room_id"]}})}</tool_call>'},
+            {"role": "tool", "content": json.dumps({"booked": True})},
+        ]
 
     # --- tools -------------------------------------------------------------------------------------
     def search_rooms(self, city: str = "", guests: int = 1, max_price: float = 10_000) -> list[dict]:
@@ -177,6 +188,12 @@ class HotelEnv:
             **inputs, max_new_tokens=self.turn_max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id
         )
         return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def _ask(request: dict) -> str:
+    wish = f", with {' and '.join(request['features'])}" if request["features"] else ""
+    return (f"Hi! I need a room in {request['city']} for {request['guests']} guest(s), "
+            f"at most {request['max_price']} EUR per night{wish}.")
 
 
 def _as_number(value, default: float) -> float:
