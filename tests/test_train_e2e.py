@@ -170,3 +170,12 @@ def test_hotel_env_trains_on_tiny(compose_cfg, tmp_path):
                        "training.max_steps=1"])
     result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 1 and 0.0 <= result.last_reward <= 1.0
+
+
+def test_credentials_in_urls_are_not_logged_as_params():
+    from grpo_pipeline.tracking import flatten
+
+    params = flatten({"tracking": {"tracking_uri": "https://alice:s3cret@mlflow.example.com"},
+                      "vllm": {"server_base_url": "http://tok@10.0.0.1:8000"}, "loss": {"kl_coef": 0.1}})
+    assert params == {"tracking.tracking_uri": "https://***@mlflow.example.com",
+                      "vllm.server_base_url": "http://***@10.0.0.1:8000", "loss.kl_coef": "0.1"}

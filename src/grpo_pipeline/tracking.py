@@ -9,6 +9,7 @@ refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI 
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,18 @@ def default_tracking_uri(launch_dir: str | Path) -> str:
     return f"sqlite:///{Path(launch_dir).resolve() / 'outputs' / 'mlflow.db'}"
 
 
+_URL_CREDENTIALS = re.compile(r"://[^/@\s]+@")
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
-    """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run."""
+    """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run. Credentials inside
+    URLs (scheme://user:password@host) are masked, so they never reach MLflow."""
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
             out.update(flatten(value, f"{prefix}{key}."))
         return out
-    return {prefix.rstrip("."): str(node)[:_MAX_PARAM_LEN]}
+    return {prefix.rstrip("."): _URL_CREDENTIALS.sub("://***@", str(node))[:_MAX_PARAM_LEN]}
 
 
 class Tracker:
