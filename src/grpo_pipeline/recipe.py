@@ -26,7 +26,7 @@ from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
 from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.runtime.episodes import EpisodeRunner
-from grpo_pipeline.tracking import RunLogger, Tracker, flatten
+from grpo_pipeline.tracking import RunLogger, Tracker, flatten, mask_credentials
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         if is_main and tracker.run_id:
             (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
     if is_main:
-        (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "resolved_config.yaml").write_text(mask_credentials(OmegaConf.to_yaml(cfg, resolve=True)))
     trainer = None
     stop = GracefulStop()
     try:

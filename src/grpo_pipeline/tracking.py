@@ -29,6 +29,11 @@ def default_tracking_uri(launch_dir: str | Path) -> str:
 _URL_CREDENTIALS = re.compile(r"://[^/@\s]+@")
 
 
+def mask_credentials(text: str) -> str:
+    """scheme://user:password@host -> scheme://***@host"""
+    return _URL_CREDENTIALS.sub("://***@", text)
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run. Credentials inside
     URLs (scheme://user:password@host) are masked, so they never reach MLflow."""
@@ -37,7 +42,7 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
         for key, value in node.items():
             out.update(flatten(value, f"{prefix}{key}."))
         return out
-    return {prefix.rstrip("."): _URL_CREDENTIALS.sub("://***@", str(node))[:_MAX_PARAM_LEN]}
+    return {prefix.rstrip("."): mask_credentials(str(node))[:_MAX_PARAM_LEN]}
 
 
 class Tracker:
