@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
@@ -37,18 +37,17 @@ class Report:
 
 def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.config.validate import check_config
-    from grpo_pipeline.envs.loader import build_env_dataset, get_tool_schemas, load_env
+    from grpo_pipeline.envs.loader import get_tool_schemas
     from grpo_pipeline.evaluation import generate
-    from grpo_pipeline.models import load_model, load_tokenizer
-    from grpo_pipeline.prompts import attach_tools, render_prompt
+    from grpo_pipeline.models import load_model
+    from grpo_pipeline.prompts import render_prompt
+    from grpo_pipeline.recipe import load_env_and_dataset
     from grpo_pipeline.runtime.episodes import EpisodeRunner, score_problem
 
     check_config(cfg)
-    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
     name = type(env).__qualname__
-    tokenizer = load_tokenizer(cfg.model)
     tools = get_tool_schemas(env)
-    dataset = attach_tools(build_env_dataset(env, tokenizer), tokenizer, tools, name)
     extra = [c for c in dataset.column_names if c != "prompt"]
     r = Report()
     r.lines += [

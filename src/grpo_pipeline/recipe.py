@@ -62,13 +62,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     # 1. Everything that can be checked without weights.
     check_config(cfg)
     run_dir, checkpoint = resolve_resume(cfg.resume, cfg.output_dir)
-    env = load_env(OmegaConf.to_container(cfg.env, resolve=True), env)
+    env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env)
     env_name = type(env).__qualname__
-    tokenizer = load_tokenizer(cfg.model)
-    tool_functions = get_tool_functions(env, tokenizer)
-    dataset = build_env_dataset(env, tokenizer)
-    if not tool_functions:  # with tool functions TRL renders the prompts with their schemas itself
-        dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), env_name)
     heldout = None
     if cfg.eval.enabled:
         dataset, heldout = split_heldout(dataset, cfg.eval.num_prompts, cfg.eval.split_seed)
@@ -150,6 +145,17 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             _save_interrupted(trainer, run_dir)
         tracker.end("KILLED" if isinstance(e, KeyboardInterrupt | TrainingStopped) else "FAILED")
         raise
+
+
+def load_env_and_dataset(cfg: DictConfig, env: Any = None) -> tuple[Any, Any, Any, list]:
+    """The env, the tokenizer (no weights), the checked dataset and the env's tool functions."""
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True), env)
+    tokenizer = load_tokenizer(cfg.model)
+    tool_functions = get_tool_functions(env, tokenizer)
+    dataset = build_env_dataset(env, tokenizer)
+    if not tool_functions:  # with tool functions TRL renders the prompts with their schemas itself
+        dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__)
+    return env, tokenizer, dataset, tool_functions
 
 
 def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop, tools):
