@@ -15,11 +15,11 @@ REPO = Path(__file__).resolve().parents[1]
 register_configs()
 
 
-def tiny_overrides(tmp_path: Path) -> list[str]:
+def tiny_overrides(tmp_path: Path, env: list[str] | None = None) -> list[str]:
+    """A 2-step run of the tiny model in tmp_path; `env` replaces the default small arithmetic env."""
     return [
         "model=tiny",
-        "env=arithmetic",
-        "env.num_samples=24",
+        *(env if env is not None else ["env=arithmetic", "env.num_samples=24"]),
         "training.max_steps=2",
         "training.batch_size=4",
         "generation.num_generations=2",

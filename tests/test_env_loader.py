@@ -174,8 +174,8 @@ def test_tool_functions_are_wired_into_trl(tmp_path, monkeypatch, compose_cfg):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tool_env.py").write_text(TOOL_ENV)
-    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("env")]
-    cfg = compose_cfg([*overrides, "env=custom", "env._target_=tool_env.ToolEnv", "model.chat_template=trl:qwen2_5",
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=tool_env.ToolEnv"]),
+                       "model.chat_template=trl:qwen2_5",
                        "training.max_steps=1"])
     result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 1

@@ -64,8 +64,7 @@ def test_combined_reward_logs_each_component(compose_cfg, tmp_path):
 
 
 def test_reward_component_needing_a_missing_column_fails_before_weights(compose_cfg, tmp_path):
-    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("env")]
-    cfg = compose_cfg([*overrides, "env=hotel", "reward=accuracy"])
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=hotel"]), "reward=accuracy"])
     with pytest.raises(ConfigError, match=r"reward.components.accuracy needs dataset column\(s\) \['answer'\]"):
         train(cfg, launch_dir=str(tmp_path))
     assert not (tmp_path / "mlflow.db").exists()

@@ -70,8 +70,7 @@ class Flaky:
 def test_env_error_stops_run_marks_failed_and_keeps_the_trained_adapter(compose_cfg, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "flaky_env.py").write_text(FLAKY_ENV)
-    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("env")]
-    cfg = compose_cfg([*overrides, "env=custom", "env._target_=flaky_env.Flaky", "training.max_steps=3",
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=flaky_env.Flaky"]), "training.max_steps=3",
                        "runtime.on_error=raise"])
     with pytest.raises(EnvError, match="Flaky.score_episode raised"):
         train(cfg, launch_dir=str(tmp_path))
@@ -165,8 +164,7 @@ def test_typo_on_cli_names_full_key(tmp_path):
 
 
 def test_hotel_env_trains_on_tiny(compose_cfg, tmp_path):
-    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("env")]
-    cfg = compose_cfg([*overrides, "env=hotel", "env.num_samples=8", "env.turn_max_new_tokens=4",
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=hotel", "env.num_samples=8", "env.turn_max_new_tokens=4"]),
                        "training.max_steps=1"])
     result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 1 and 0.0 <= result.last_reward <= 1.0

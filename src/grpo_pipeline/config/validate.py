@@ -18,6 +18,7 @@ ON_ERROR = ("raise", "zero")
 
 def config_problems(cfg: TrainConfig) -> list[str]:
     p: list[str] = []
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # training processes (accelerate launch sets it)
     gen, loss, train, run = cfg.generation, cfg.loss, cfg.training, cfg.runtime
 
     if cfg.model.source not in MODEL_SOURCES:
@@ -61,7 +62,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if train.batch_size < 1 or train.gradient_accumulation_steps < 1:
         p.append("training.batch_size and training.gradient_accumulation_steps must be >= 1.")
     else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         per_step = train.batch_size * train.gradient_accumulation_steps * world
         if per_step % max(gen.num_generations, 1):
             p.append(
@@ -87,11 +87,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.reward.env_weight == 0 and not cfg.reward.components:
         p.append("reward: env_weight=0 and no components: there is nothing to reward. Pick reward=env.")
 
-    p += _vllm_problems(cfg)
+    p += _vllm_problems(cfg, world)
     return p
 
 
-def _vllm_problems(cfg: TrainConfig) -> list[str]:
+def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
     vllm = cfg.vllm
     if vllm.mode not in VLLM_MODES:
         return [f"vllm.mode={vllm.mode!r}: use one of {VLLM_MODES}."]
@@ -104,7 +104,6 @@ def _vllm_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"vllm={vllm.mode} needs the vllm package: pip install '.[vllm]' (GPU machines only).")
     if not 0 < vllm.gpu_memory_utilization <= 1:
         p.append(f"vllm.gpu_memory_utilization={vllm.gpu_memory_utilization}: must be in (0, 1].")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if vllm.tensor_parallel_size < 1:
         p.append(f"vllm.tensor_parallel_size={vllm.tensor_parallel_size}: must be >= 1.")
     elif vllm.mode == "colocate" and world % vllm.tensor_parallel_size:

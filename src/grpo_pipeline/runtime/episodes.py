@@ -124,7 +124,6 @@ class EpisodeRunner:
         self.model = None
         self.failures = 0
         self.timeouts = 0
-        self.episodes = 0
         self._first_failure: str | None = None
 
     def bind(self, model) -> None:
@@ -194,7 +193,6 @@ class EpisodeRunner:
         return episode
 
     def _outcome(self, ep: Episode, completion: str, row: dict) -> float:
-        self.episodes += 1
         if ep.timed_out or ep.error is not None:
             if ep.timed_out:
                 self.timeouts += 1
