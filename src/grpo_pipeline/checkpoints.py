@@ -1,34 +1,57 @@
-"""Crash safety: finding the checkpoint to resume from, and stopping cleanly on SIGINT/SIGTERM.
+"""Finding the checkpoint to resume from.
 
 Checkpoints are TRL/transformers Trainer checkpoints (`<run dir>/checkpoints/checkpoint-<step>`, every
 `training.save_steps`, the last `training.save_total_limit` kept): weights or adapter, optimizer,
 scheduler, RNG states and the data position, so a resumed run continues at the same global step.
+`trainer_state.json` is the last file a checkpoint gets: a checkpoint counts only when that file parses
+and names its step. A folder a kill left half-written is removed on resume, never loaded.
 """
 
+import json
+import logging
 import re
-import signal
-import threading
+import shutil
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 from grpo_pipeline.errors import ConfigError, PipelineError
 
+log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run_id"
 
 
 class TrainingStopped(PipelineError):
-    """The run was stopped by a signal after saving a checkpoint."""
+    """The run was stopped (signal, tracking outage) after saving a checkpoint."""
 
-    def __init__(self, message: str, signum: int):
+    def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.exit_code = 128 + signum
+        self.exit_code = exit_code
+
+
+def _step(path: Path) -> int | None:
+    m = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(checkpoint: Path) -> bool:
+    try:
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return state.get("global_step") == _step(checkpoint)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = [(int(m.group(1)), p) for p in (run_dir / "checkpoints").glob("checkpoint-*")
-             if (m := re.fullmatch(r"checkpoint-(\d+)", p.name)) and (p / "trainer_state.json").exists()]
+    found = [(step, p) for p in (run_dir / "checkpoints").glob("checkpoint-*")
+             if (step := _step(p)) is not None and is_complete(p)]
     return max(found)[1] if found else None
+
+
+def remove_incomplete(run_dir: Path) -> None:
+    """Remove the checkpoint folders that a kill left half-written."""
+    for p in (run_dir / "checkpoints").glob("checkpoint-*"):
+        if _step(p) is not None and not is_complete(p):
+            log.warning("Removing %s: a kill left it half-written (no valid trainer_state.json).", p)
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> tuple[Path, Path | None]:
@@ -43,37 +66,6 @@ def resolve_resume(resume: str | None, output_dir: str) -> tuple[Path, Path | No
                           "(outputs/runs/<date>/<time>), or resume=auto.")
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
-        raise ConfigError(f"resume={resume!r} has no checkpoint under {run_dir / 'checkpoints'}. Runs save "
+        raise ConfigError(f"resume={resume!r} has no complete checkpoint under {run_dir / 'checkpoints'}. Runs save "
                           "checkpoints only with training.save_steps > 0.")
     return run_dir, checkpoint
-
-
-class GracefulStop(TrainerCallback):
-    """On SIGINT/SIGTERM: finish the current step, save a checkpoint, stop training."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # a second signal: stop now
-            self.uninstall()
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.signum is not None:
-            control.should_save = True
-            control.should_training_stop = True
-        return control

@@ -18,17 +18,20 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_pipeline.checkpoints import RUN_ID_FILE, GracefulStop, TrainingStopped, resolve_resume
+from grpo_pipeline.callbacks import RunLogger, StopControl
+from grpo_pipeline.checkpoints import RUN_ID_FILE, TrainingStopped, remove_incomplete, resolve_resume
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.envs.loader import build_env_dataset, get_tool_functions, get_tool_schemas, load_env
 from grpo_pipeline.evaluation import evaluate, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
+from grpo_pipeline.redact import mask_credentials, redact_log_records
 from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.runtime.episodes import EpisodeRunner
-from grpo_pipeline.tracking import RunLogger, Tracker, flatten, mask_credentials
+from grpo_pipeline.tracking import Tracker, TrackingError, flatten
 
 log = logging.getLogger(__name__)
+UNSENT_FILE = "metrics_unsent.jsonl"  # metrics a store that stayed down never got
 
 
 @dataclass
@@ -56,6 +59,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
           env: Any = None, tags: dict[str, str] | None = None) -> RunResult:
     """Run one GRPO training. `env` may be an env class or instance (instead of `env._target_`)."""
     started = time.monotonic()
+    redact_log_records()
     launch_dir = launch_dir or os.getcwd()
     is_main = int(os.environ.get("RANK", "0")) == 0
 
@@ -77,19 +81,22 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
 
     # 2. The run.
     run_dir.mkdir(parents=True, exist_ok=True)
+    if checkpoint is not None and is_main:
+        remove_incomplete(run_dir)
     if checkpoint is not None and (run_dir / RUN_ID_FILE).exists():
-        tracker.resume((run_dir / RUN_ID_FILE).read_text().strip())
+        tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
         log.warning("Resuming %s from %s", run_dir, checkpoint.name)
     else:
         run_name = cfg.tracking.run_name or _run_name(cfg, env_name, overrides)
-        all_tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])[:5000]}
-        tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), all_tags | (tags or {}))
+        all_tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])}
+        tracker.start(run_name, flatten(OmegaConf.to_container(cfg, resolve=True)), all_tags | (tags or {}),
+                      description=_description(cfg, env_name, overrides))
         if is_main and tracker.run_id:
             (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
     if is_main:
         (run_dir / "resolved_config.yaml").write_text(mask_credentials(OmegaConf.to_yaml(cfg, resolve=True)))
     trainer = None
-    stop = GracefulStop()
+    stop = StopControl(tracker)
     try:
         trainer = _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, stop,
                                  tool_functions)
@@ -99,7 +106,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         eval_before = eval_after = None
         if heldout is not None and cfg.eval.before and checkpoint is None and is_main:
             eval_before = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
-            _log_eval(tracker, "eval_before", eval_before, step=0)
+            _log_eval(tracker, "eval_before", eval_before, step=0, now=True)  # a resumed run never repeats it
         train_started = time.monotonic()
         stop.install()
         try:
@@ -107,10 +114,12 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         finally:
             stop.uninstall()
         train_seconds = time.monotonic() - train_started
-        if stop.signum is not None:
+        if stop.signum is not None or stop.reason is not None:
+            why = f"by signal {stop.signum}" if stop.signum is not None else f"because {stop.reason}"
             raise TrainingStopped(
-                f"Stopped by signal {stop.signum} at step {trainer.state.global_step}; a checkpoint was saved in "
-                f"{run_dir / 'checkpoints'}. Continue with: resume={run_dir}", stop.signum)
+                f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
+                f"{run_dir / 'checkpoints'}. Continue with: resume={run_dir}",
+                128 + stop.signum if stop.signum is not None else 3)
         model_path = _save(trainer, tokenizer, run_dir) if cfg.training.save_model else None
         if heldout is not None and cfg.eval.after and is_main:
             eval_after = evaluate(policy, tokenizer, runner, heldout, eval_tokens, cfg.eval.batch_size)
@@ -138,12 +147,17 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         )
         if is_main:
             _write_outputs(result, run_dir, tracker)
-        tracker.end("FINISHED")
+        tracker.end("FINISHED", unsent_path=run_dir / UNSENT_FILE)
         return result
     except BaseException as e:
         if trainer is not None and trainer.state.global_step > 0 and not isinstance(e, TrainingStopped):
             _save_interrupted(trainer, run_dir)
-        tracker.end("KILLED" if isinstance(e, KeyboardInterrupt | TrainingStopped) else "FAILED")
+        stopped = isinstance(e, KeyboardInterrupt | TrainingStopped) and stop.reason is None
+        try:
+            tracker.set_tag("error", (str(e) or e.__class__.__name__).splitlines()[0][:500])
+        except TrackingError:
+            pass
+        tracker.end("KILLED" if stopped else "FAILED", unsent_path=run_dir / UNSENT_FILE)
         raise
 
 
@@ -199,11 +213,11 @@ def _save_interrupted(trainer, run_dir: Path) -> None:
         log.exception("Could not save the interrupted model to %s", path)
 
 
-def _log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int) -> None:
+def _log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool = False) -> None:
     log.warning("%s: mean reward %.3f, success rate %.3f over %d held-out prompts",
                 prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"])
-    tracker.log_metrics({f"{prefix}/mean_reward": metrics["mean_reward"],
-                         f"{prefix}/success_rate": metrics["success_rate"]}, step=step)
+    values = {f"{prefix}/mean_reward": metrics["mean_reward"], f"{prefix}/success_rate": metrics["success_rate"]}
+    (tracker.log_now if now else tracker.log_metrics)(values, step=step)
 
 
 def _write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
@@ -214,6 +228,18 @@ def _write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
         plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after)
     for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
         tracker.log_artifact(run_dir / name)
+
+
+def _description(cfg, env_name: str, overrides: list[str] | None) -> str:
+    """The run's description in the MLflow UI: what was trained, on what, how."""
+    adapter = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
+    steps = f"{cfg.training.max_steps} steps" if cfg.training.max_steps > 0 else f"{cfg.training.num_epochs:g} epochs"
+    text = (f"GRPO ({cfg.loss.loss_type}, kl_coef {cfg.loss.kl_coef:g}) of {cfg.model.name} on {env_name}: {adapter}, "
+            f"{steps}, lr {cfg.training.learning_rate:g}, {cfg.generation.num_generations} completions per prompt, "
+            f"{cfg.training.batch_size} per step, up to {cfg.generation.max_new_tokens} new tokens, seed {cfg.seed}.")
+    if overrides:
+        text += "\n\nOverrides: " + " ".join(overrides)
+    return mask_credentials(text)
 
 
 def _run_name(cfg, env_name: str, overrides: list[str] | None) -> str:

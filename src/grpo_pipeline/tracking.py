@@ -1,42 +1,47 @@
-"""MLflow tracking (one run per Hydra job) and the per-step console line.
+"""MLflow tracking: one run per Hydra job.
 
 We talk to MLflow through an explicit `MlflowClient` (no fluent API, no global active run), so two
 trainings in one process never share state. The default store is SQLite under `outputs/` (MLflow 3
 refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI with:
 
     mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db
+
+Metrics go through a background `MetricWriter` (retries, grace period). With checkpoints on, a step's
+metrics reach MLflow once a checkpoint covers it; TRL's `trainer_state.json` in each checkpoint holds the
+metrics of every step up to it, and `resume` writes any of those MLflow lacks, so a kill at any moment
+loses nothing and duplicates nothing. Everything written here passes through `mask_credentials`.
 """
 
+import json
+import logging
 import math
 import os
-import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers.trainer_callback import ProgressCallback
-
 from grpo_pipeline.config.schema import TrackingConfig
-from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.errors import ConfigError, PipelineError
+from grpo_pipeline.redact import mask_credentials
 
+log = logging.getLogger(__name__)
 _MAX_PARAM_LEN = 500
+_MAX_TAG_LEN = 5000
+# MLflow 3 opens new experiments in its GenAI view unless told they hold model training runs.
+_EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
+class TrackingError(PipelineError):
+    """The tracking store stayed unreachable past tracking.outage_grace_s."""
 
 
 def default_tracking_uri(launch_dir: str | Path) -> str:
     return f"sqlite:///{Path(launch_dir).resolve() / 'outputs' / 'mlflow.db'}"
 
 
-_URL_CREDENTIALS = re.compile(r"://[^/@\s]+@")
-
-
-def mask_credentials(text: str) -> str:
-    """scheme://user:password@host -> scheme://***@host"""
-    return _URL_CREDENTIALS.sub("://***@", text)
-
-
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
-    """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run. Credentials inside
-    URLs (scheme://user:password@host) are masked, so they never reach MLflow."""
+    """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run."""
     if isinstance(node, dict):
         out = {}
         for key, value in node.items():
@@ -45,22 +50,38 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): mask_credentials(str(node))[:_MAX_PARAM_LEN]}
 
 
+def retry(call: Callable, grace_s: float, what: str):
+    """Run `call`, retrying with backoff for up to grace_s seconds (the store may be restarting or locked)."""
+    started, attempt = time.monotonic(), 0
+    while True:
+        try:
+            return call()
+        except Exception as e:
+            attempt += 1
+            if time.monotonic() - started > grace_s:
+                raise TrackingError(f"MLflow: {what} failed for {grace_s:g}s (tracking.outage_grace_s): "
+                                    f"{mask_credentials(str(e).splitlines()[0][:300])}") from e
+            if attempt == 1:
+                log.warning("MLflow: %s failed (%s); retrying for up to %gs.", what,
+                            mask_credentials(str(e).splitlines()[0][:200]), grace_s)
+            time.sleep(min(10.0, 0.5 * 2 ** (attempt - 1)))
+
+
 class Tracker:
     """One MLflow run. With tracking disabled every method is a no-op."""
 
-    FLUSH_SECONDS = 10.0
-
     def __init__(self, cfg: TrackingConfig, launch_dir: str | Path, enabled: bool = True):
         self.enabled = cfg.enabled and enabled
+        self.cfg = cfg
         self.run_id: str | None = None
-        self._buffer: list = []
-        self._flushed = time.monotonic()
+        self.writer = None
+        self._gave_up: str | None = None
         if not self.enabled:
             return
         from mlflow.tracking import MlflowClient
 
         self.uri = cfg.tracking_uri or default_tracking_uri(launch_dir)
-        # Fail in seconds, not after minutes of retries, when a tracking server is unreachable.
+        # Fail in seconds, not after minutes of retries, when a tracking server is unreachable at start.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         artifacts = None
@@ -72,60 +93,155 @@ class Tracker:
             self.client = MlflowClient(tracking_uri=self.uri)
             experiment = self.client.get_experiment_by_name(cfg.experiment_name)
             if experiment is None:
-                self.experiment_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
+                self.experiment_id = self.client.create_experiment(
+                    cfg.experiment_name, artifact_location=artifacts, tags=dict([_EXPERIMENT_KIND]))
             else:
                 self.experiment_id = experiment.experiment_id
+                if _EXPERIMENT_KIND[0] not in experiment.tags:
+                    self.client.set_experiment_tag(self.experiment_id, *_EXPERIMENT_KIND)
         except Exception as e:
             raise ConfigError(
-                f"tracking.tracking_uri='{self.uri}' is not usable ({e.__class__.__name__}: {str(e)[:300]}). "
-                "Fix the URI (e.g. sqlite:///outputs/mlflow.db or http://host:5000), or set tracking.enabled=false."
+                f"tracking.tracking_uri='{mask_credentials(self.uri)}' is not usable ({e.__class__.__name__}: "
+                f"{mask_credentials(str(e)[:300])}). Fix the URI (e.g. sqlite:///outputs/mlflow.db or "
+                "http://host:5000), or set tracking.enabled=false."
             ) from e
 
-    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str] | None = None) -> None:
+    # --- the run ----------------------------------------------------------------------------------
+    def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], description: str = "") -> None:
         if not self.enabled:
             return
         from mlflow.entities import Param
 
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags or {})
+        tags = {k: mask_credentials(str(v))[:_MAX_TAG_LEN] for k, v in tags.items()}
+        if description:
+            tags["mlflow.note.content"] = mask_credentials(description)
+        run = self.client.create_run(self.experiment_id, run_name=mask_credentials(run_name)[:250], tags=tags)
         self.run_id = run.info.run_id
-        items = [Param(k, v) for k, v in sorted(params.items())]
+        items = [Param(k, mask_credentials(v)) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
+        self._start_writer()
 
-    def resume(self, run_id: str) -> None:
-        """Continue an earlier run (after a crash): metrics go on from the checkpoint's step."""
+    def resume(self, run_id: str, checkpoint: Path | None = None) -> None:
+        """Continue an earlier run after a crash: write the metrics of every step up to the checkpoint that
+        MLflow lacks (a kill can come between a checkpoint and the write), then go on from its step."""
         if not self.enabled:
             return
-        self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+        retry(lambda: self.client.update_run(run_id, status="RUNNING"), self.cfg.outage_grace_s, "reopening the run")
+        if checkpoint is not None:
+            self._repair(checkpoint)
+        self._start_writer()
+
+    def hold_uncheckpointed(self, hold: bool) -> None:
+        """With checkpoints on, keep each step's metrics back until a checkpoint covers it."""
+        if self.writer is not None and hold:
+            self.writer.hold_after(0)
+
+    def checkpointed(self, step: int) -> None:
+        if self.writer is not None:
+            self.writer.release(step)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Buffered: written every FLUSH_SECONDS, at checkpoints and at the end (a sqlite write per step
-        would cost ~9 ms, a visible share of a small model's step)."""
-        if not self.run_id:
+        if self.writer is None:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._buffer += [Metric(_metric_key(k), v, now, step) for k, v in metrics.items() if math.isfinite(v)]
-        if time.monotonic() - self._flushed >= self.FLUSH_SECONDS:
-            self.flush()
+        self.writer.add([Metric(_metric_key(k), v, now, step) for k, v in metrics.items() if math.isfinite(v)])
 
-    def flush(self) -> None:
-        if self.run_id and self._buffer:
-            for i in range(0, len(self._buffer), 1000):
-                self.client.log_batch(self.run_id, metrics=self._buffer[i : i + 1000])
-        self._buffer = []
-        self._flushed = time.monotonic()
+    def log_now(self, metrics: dict[str, float], step: int) -> None:
+        """Write at once, whatever is held back (for evaluations that a resumed run never repeats)."""
+        if self.run_id is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(_metric_key(k), v, now, step) for k, v in metrics.items() if math.isfinite(v)]
+        retry(lambda: self.client.log_batch(self.run_id, metrics=batch), self._grace, "logging metrics")
+
+    @property
+    def failed(self) -> str | None:
+        """Why tracking has given up (store down past the grace period), else None."""
+        if self.writer is not None and self.writer.failed:
+            self._gave_up = self.writer.failed
+        return self._gave_up
+
+    @property
+    def _grace(self) -> float:
+        return 5.0 if self.failed else self.cfg.outage_grace_s  # once given up, don't wait again
+
+    def set_tag(self, key: str, value: str) -> None:
+        if self.run_id:
+            retry(lambda: self.client.set_tag(self.run_id, key, mask_credentials(str(value))[:_MAX_TAG_LEN]),
+                  self._grace, f"setting tag {key}")
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.run_id and os.path.exists(path):
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            retry(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path),
+                  self._grace, f"logging artifact {Path(path).name}")
 
-    def end(self, status: str = "FINISHED") -> None:
-        if self.run_id:
-            self.flush()
-            self.client.set_terminated(self.run_id, status)
+    def end(self, status: str = "FINISHED", unsent_path: Path | None = None) -> None:
+        """Write every queued metric (waiting up to the grace period), then close the run."""
+        if not self.run_id:
+            return
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.release(math.inf)
+            unsent = writer.close(timeout=self._grace)
+            if unsent:
+                self._keep_unsent(unsent, unsent_path, writer.last_error)
+        try:
+            retry(lambda: self.client.set_terminated(self.run_id, status), self._grace,
+                  f"marking the run {status}")
+        except TrackingError as e:
+            log.error("%s", e)
+
+    # --- internals --------------------------------------------------------------------------------
+    def _start_writer(self) -> None:
+        from grpo_pipeline.metric_writer import MetricWriter
+
+        self.writer = MetricWriter(self.client, self.run_id, self.cfg.flush_every_s, self.cfg.outage_grace_s)
+
+    def _repair(self, checkpoint: Path) -> None:
+        from mlflow.entities import Metric
+
+        history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+        step = max((h.get("step", 0) for h in history), default=0)
+        present: dict[str, set[int]] = {}
+        missing = []
+        now = int(time.time() * 1000)
+        for entry in history:
+            for key, value in numeric(entry).items():
+                if key == "step" or not math.isfinite(value):
+                    continue
+                key = _metric_key(key)
+                if key not in present:
+                    present[key] = {m.step for m in retry(lambda k=key: self.client.get_metric_history(self.run_id, k),
+                                                          self.cfg.outage_grace_s, "reading metric history")}
+                if entry["step"] not in present[key]:
+                    missing.append(Metric(key, value, now, entry["step"]))
+        for i in range(0, len(missing), 1000):
+            chunk = missing[i : i + 1000]
+            retry(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), self.cfg.outage_grace_s,
+                  "writing the checkpoint's metrics")
+        if missing:
+            log.warning("Resume: wrote %d metric values of steps <= %d that the kill kept from MLflow.",
+                        len(missing), step)
+        later = sorted({s for steps in present.values() for s in steps if s > step})
+        if later:
+            log.warning("Resume: MLflow already has steps %s..%s after checkpoint step %d (from a run that failed "
+                        "rather than was killed); the resumed run logs those steps again.", later[0], later[-1], step)
+
+    def _keep_unsent(self, unsent: list, path: Path | None, error: str | None) -> None:
+        where = "nowhere (no run dir)"
+        if path is not None:
+            with open(path, "a") as f:
+                for m in unsent:
+                    f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}) + "\n")
+            where = str(path)
+        log.error("MLflow: %d metric values could not be written (%s); they are kept in %s.",
+                  len(unsent), error or "store unreachable", where)
 
 
 def _metric_key(key: str) -> str:
@@ -134,38 +250,3 @@ def _metric_key(key: str) -> str:
 
 def numeric(logs: dict) -> dict[str, float]:
     return {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-
-
-class RunLogger(ProgressCallback):
-    """Keeps the progress bar; per logging step prints one readable line and logs metrics to MLflow."""
-
-    def __init__(self, tracker: Tracker):
-        super().__init__()
-        self.tracker = tracker
-
-    def on_save(self, args, state, control, **kwargs):
-        self.tracker.flush()  # a resumed run continues from the checkpoint with every metric before it
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.tracker.flush()
-        return super().on_train_end(args, state, control, **kwargs)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        metrics = numeric(logs or {})
-        self.tracker.log_metrics(metrics, step=state.global_step)
-        if "reward" not in metrics:
-            return
-        parts = [
-            f"epoch {metrics.get('epoch', 0):.2f}/{state.num_train_epochs:g}",
-            f"step {state.global_step}/{state.max_steps}",
-            f"reward {metrics['reward']:.3f}",
-        ]
-        parts += [f"{key} {metrics[key]:.4g}" for key in ("kl", "loss") if key in metrics]
-        if "completions/mean_length" in metrics:
-            parts.append(f"len {metrics['completions/mean_length']:.1f}")
-        if metrics.get("env/failures"):
-            parts.append(f"env failures {metrics['env/failures']:.0f}")
-        line = " | ".join(parts)
-        if state.is_world_process_zero:
-            (self.training_bar.write if self.training_bar is not None else print)(line)
-

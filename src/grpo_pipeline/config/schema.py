@@ -127,13 +127,16 @@ class RuntimeConfig:
     max_concurrency: int = 8
     # Seconds one score_episode call may take; a slower one counts as a timeout.
     episode_timeout_s: float = 120.0
-    # raise: stop on the first env error | zero: score it 0, count it, and stop after max_failures.
     # Merge the model.generate calls of concurrent episodes into one batched call.
     batch_generate: bool = True
     # How long a queued generate call waits for other episodes' calls before running anyway.
     batch_wait_ms: float = 20.0
+    # raise: stop on the first env error or timeout | zero: score it 0 (no advantage in its group), count it.
     on_error: str = "zero"
-    max_failures: int = 5
+    # on_error=zero stops the run when more than this share of the last failure_window training episodes
+    # failed or timed out (0.1 over 200: more than 20). Every episode of the first 2 batches failing stops it too.
+    max_failure_rate: float = 0.1
+    failure_window: int = 200
 
 
 @dataclass
@@ -165,6 +168,12 @@ class TrackingConfig:
     tracking_uri: str | None = None
     experiment_name: str = "grpo_pipeline"
     run_name: str | None = None
+    # Metrics are written from a background thread every flush_every_s seconds (and at checkpoints and
+    # the end); training never waits on the store.
+    flush_every_s: float = 5.0
+    # A store that fails every write (server restart, sqlite lock) is retried with backoff; only after
+    # this many seconds does the run stop, with a checkpoint saved and the resume command printed.
+    outage_grace_s: float = 600.0
 
 
 @dataclass

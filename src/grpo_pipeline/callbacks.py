@@ -1,0 +1,99 @@
+"""The Trainer callbacks: the console line + MLflow metrics, and stopping cleanly.
+
+`RunLogger` keeps the progress bar, prints one readable line per logging step and hands the metrics to
+the Tracker; when a checkpoint is written it releases the metrics the checkpoint covers.
+`StopControl` ends training at a step boundary with a checkpoint when SIGINT/SIGTERM arrives or the
+tracking store has been down past its grace period. Under several processes the decision is all-reduced
+every step, so a signal to any rank stops every rank after the same step (no rank left waiting in a
+collective for the others).
+"""
+
+import signal
+import threading
+
+from transformers.trainer_callback import ProgressCallback, TrainerCallback
+
+from grpo_pipeline.tracking import Tracker, numeric
+
+
+class RunLogger(ProgressCallback):
+    def __init__(self, tracker: Tracker):
+        super().__init__()
+        self.tracker = tracker
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.tracker.hold_uncheckpointed(args.save_strategy != "no")
+        return super().on_train_begin(args, state, control, **kwargs)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.tracker.checkpointed(state.global_step)  # trainer_state.json, the last file, is on disk
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = numeric(logs or {})
+        self.tracker.log_metrics(metrics, step=state.global_step)
+        if "reward" not in metrics or not state.is_world_process_zero:
+            return
+        parts = [
+            f"epoch {metrics.get('epoch', 0):.2f}/{state.num_train_epochs:g}",
+            f"step {state.global_step}/{state.max_steps}",
+            f"reward {metrics['reward']:.3f}",
+        ]
+        parts += [f"{key} {metrics[key]:.4g}" for key in ("kl", "loss") if key in metrics]
+        if "completions/mean_length" in metrics:
+            parts.append(f"len {metrics['completions/mean_length']:.1f}")
+        if metrics.get("env/failures"):
+            parts.append(f"env failures {metrics['env/failures']:.0f}")
+        (self.training_bar.write if self.training_bar is not None else print)(" | ".join(parts))
+
+
+class StopControl(TrainerCallback):
+    """Finish the current step, save a checkpoint, stop: on SIGINT/SIGTERM, or when tracking gave up."""
+
+    def __init__(self, tracker: Tracker | None = None):
+        self.tracker = tracker
+        self.signum: int | None = None
+        self.reason: str | None = None  # why training stopped early, if it did
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # a second signal: stop now
+            self.uninstall()
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # 0: go on; 1: tracking gave up; 2: SIGINT (=2)... the signal number otherwise. Max over ranks.
+        code = self.signum or (1 if self.tracker is not None and self.tracker.failed else 0)
+        code = _max_over_ranks(code, args.device)
+        if code:
+            if self.signum is None and code > 1:
+                self.signum = code  # another rank got the signal
+            if code == 1:
+                self.reason = self.tracker.failed if self.tracker is not None and self.tracker.failed else \
+                    "tracking failed on the main process"
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+def _max_over_ranks(code: int, device) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return code
+    import torch
+
+    flag = torch.tensor([code], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
