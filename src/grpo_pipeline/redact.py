@@ -7,6 +7,7 @@ line. No heavy imports here: the CLI uses it before torch loads.
 
 import logging
 import re
+from pathlib import Path
 
 # Everything between "://" and the last "@" before the host: a password may itself contain "@".
 _URL_CREDENTIALS = re.compile(r"://[^/\s'\"]*@")
@@ -37,3 +38,19 @@ def redact_log_records() -> None:
 
     make_record.redacting = True
     logging.setLogRecordFactory(make_record)
+
+
+def redact_hydra_files(hydra_cfg) -> None:
+    """Mask credentials in the YAML files Hydra wrote before the job started: the job's .hydra/ (config,
+    overrides, hydra) and a multirun's multirun.yaml."""
+    files = []
+    if hydra_cfg.output_subdir:
+        files += Path(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir).glob("*.yaml")
+    if str(hydra_cfg.mode) == "RunMode.MULTIRUN":
+        files.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
+    for path in files:
+        if path.is_file():
+            text = path.read_text()
+            masked = mask_credentials(text)
+            if masked != text:
+                path.write_text(masked)

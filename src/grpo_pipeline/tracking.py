@@ -82,7 +82,7 @@ class Tracker:
 
         self.uri = cfg.tracking_uri or default_tracking_uri(launch_dir)
         # Fail in seconds, not after minutes of retries, when a tracking server is unreachable at start.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # we retry ourselves (MetricWriter, retry)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         artifacts = None
         try:
