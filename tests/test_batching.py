@@ -1,14 +1,18 @@
 """Concurrent episodes' model.generate calls are merged, and each caller gets what its own call returns."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.errors import EnvError
 from grpo_pipeline.models import build_tiny_tokenizer, load_model
 from grpo_pipeline.runtime.batching import GenerateBatcher
 from grpo_pipeline.runtime.episodes import EpisodeRunner
+
+WAIT = 60  # seconds: generous bounds for conditions that hold within milliseconds on an idle machine
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +115,149 @@ def test_runner_batches_multi_turn_episodes(tiny):
     assert scores == [1.0] * 8
     assert len(env.shapes) == 24 and all(0 < o - i <= 4 for i, o in env.shapes)
     assert len(generate_calls) < 24 / 2  # 8 episodes x 3 turns, merged
+
+
+def run_concurrently(batcher: GenerateBatcher, calls: list[dict]) -> tuple[list, list]:
+    """Each call's batcher.generate on its own thread, as concurrent episodes make them: results, errors."""
+    results, errors = [None] * len(calls), [None] * len(calls)
+    for _ in calls:
+        batcher.episode_started()
+
+    def episode(i):
+        try:
+            results[i] = batcher.generate(**calls[i])
+        except Exception as e:
+            errors[i] = e
+        finally:
+            batcher.episode_ended()
+
+    threads = [threading.Thread(target=episode, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=WAIT)
+    assert not any(t.is_alive() for t in threads)
+    return results, errors
+
+
+def ids(tok, *texts):
+    return tok(list(texts), return_tensors="pt", padding=True)
+
+
+def exactness_cases(tok) -> dict[str, list[dict]]:
+    """Calls that each batch merges into one generate; greedy, so each result must equal the solo call's."""
+    greedy = {"do_sample": False}
+    lisbon = "search_rooms city Lisbon price 100 and a balcony please"
+    assistant = "You are a helpful assistant."
+    return {
+        # their own eos (not the tokenizer's): "What is" ends at step 5, "book_room" at step 3, "hi" never
+        "own_eos": [dict(input_ids=ids(tok, p)["input_ids"], max_new_tokens=12, eos_token_id=101, **greedy)
+                    for p in ("What is 12 + 34?", "book_room", "hi")],
+        "own_eos_list": [dict(input_ids=ids(tok, p)["input_ids"], max_new_tokens=12, eos_token_id=[22, 101],
+                              **greedy) for p in (assistant, "book_room", "7 + 8 =")],
+        # pad != eos, no attention_mask: generate masks the pad id where the input has it (305 is in two prompts)
+        "own_pad_no_mask": [dict(input_ids=ids(tok, p)["input_ids"], max_new_tokens=n, pad_token_id=305, **greedy)
+                            for p, n in ((assistant, 6), (lisbon, 8), ("hi", 10))],
+        # several rows per call, with and without a mask (padded with pad == eos: generate uses all ones)
+        "several_rows": [dict(**ids(tok, "hi", "What is 12 + 34?"), max_new_tokens=5, **greedy),
+                         dict(input_ids=ids(tok, "7 + 8 =", "book_room", lisbon)["input_ids"], max_new_tokens=9,
+                              **greedy),
+                         dict(**ids(tok, assistant), max_new_tokens=2, **greedy)],
+    }
+
+
+@pytest.mark.parametrize("case", ["own_eos", "own_eos_list", "own_pad_no_mask", "several_rows"])
+def test_merged_calls_return_exactly_what_each_call_alone_returns(tiny, case):
+    model, tok = tiny
+    calls = exactness_cases(tok)[case]
+    with torch.no_grad():
+        expected = [model.generate(**call) for call in calls]
+    batcher = GenerateBatcher(model, tok.pad_token_id, tok.eos_token_id, max_wait_s=WAIT)
+    results, errors = run_concurrently(batcher, calls)
+    batcher.close()
+    assert errors == [None] * len(calls)
+    assert batcher.batches == 1  # one merged generate for the whole case
+    for got, want in zip(results, expected, strict=True):
+        assert got.shape == want.shape and torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+def test_a_call_after_close_fails_at_once(tiny):
+    model, tok = tiny
+    batcher = GenerateBatcher(model, tok.pad_token_id, tok.eos_token_id)
+    batcher.close()
+    for extra in ({}, {"return_dict_in_generate": True}):  # merged and direct calls alike
+        with pytest.raises(RuntimeError, match="GenerateBatcher is closed"):
+            batcher.generate(**tok("hi", return_tensors="pt"), max_new_tokens=2, **extra)
+
+
+class CountingModel(torch.nn.Module):
+    """generate appends one token; cheap, so many threads race close()."""
+
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=1, **_):
+        return torch.cat([input_ids, input_ids[:, -1:]], dim=1)
+
+
+def test_close_racing_with_callers_never_leaves_one_waiting():
+    batcher = GenerateBatcher(CountingModel(), 0, None, max_wait_s=0.0)
+    outcomes = []
+    started = threading.Barrier(9)
+
+    def caller():
+        started.wait(WAIT)
+        while True:
+            try:
+                batcher.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=1)
+            except RuntimeError as e:
+                outcomes.append(str(e))
+                return
+
+    threads = [threading.Thread(target=caller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    started.wait(WAIT)
+    deadline = time.monotonic() + WAIT
+    while batcher.calls < 50 and time.monotonic() < deadline:  # callers are going; close while they are mid-flight
+        time.sleep(0.001)
+    batcher.close()
+    for t in threads:
+        t.join(timeout=WAIT)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 8 and all("GenerateBatcher is closed" in o for o in outcomes)
+
+
+class TokenEnv:
+    """Generates from the ids in its row; records what it got."""
+
+    def __init__(self):
+        self.outputs = {}
+
+    def score_episode(self, model, tokenizer, completion, input_ids):
+        out = model.generate(torch.tensor([input_ids]), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        self.outputs[completion] = out
+        return 1.0
+
+
+def test_one_bad_generate_call_fails_only_its_own_episode(tiny):
+    model, tok = tiny
+    good = [tok("What is 12 + 34?")["input_ids"], tok("book_room")["input_ids"]]
+    bad = [5, len(tok) + 1000, 7]  # an id past the vocabulary: the embedding raises
+    env = TokenEnv()
+    runner = EpisodeRunner(env, tok, RuntimeConfig(batch_wait_ms=WAIT * 1000, on_error="raise"), ["input_ids"])
+    runner.bind(model)
+    generate_calls = []
+    original = model.generate
+    model.generate = lambda *a, **k: generate_calls.append(1) or original(*a, **k)
+    try:
+        with pytest.raises(EnvError) as e:
+            runner.score(["a", "b", "c"], [{"input_ids": good[0]}, {"input_ids": bad}, {"input_ids": good[1]}])
+    finally:
+        del model.generate
+    assert len(generate_calls) == 4  # the merged call failed; each call then ran alone
+    assert "model.generate failed for episode 1 (row {'input_ids': [5, " in str(e.value)
+    assert set(env.outputs) == {"a", "c"}
+    with torch.no_grad():
+        for name, row in (("a", good[0]), ("c", good[1])):
+            want = model.generate(torch.tensor([row]), max_new_tokens=6, do_sample=False,
+                                  pad_token_id=tok.pad_token_id)
+            assert torch.equal(env.outputs[name], want)

@@ -1,26 +1,53 @@
-"""The env runtime: concurrency, timeouts, failure policy, score checks, and a safe model handle."""
+"""The env runtime: concurrency, timeouts, revocable model handles, the failure budget, failed episodes
+in GRPO groups, held-out evaluation, score checks and sampling of the env's turns."""
 
 import math
+import threading
 import time
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 
 from grpo_pipeline.config.schema import RuntimeConfig
+from grpo_pipeline.config.validate import config_problems
 from grpo_pipeline.errors import EnvError
-from grpo_pipeline.runtime.episodes import EpisodeRunner, completion_text
+from grpo_pipeline.runtime.episodes import EpisodeAbandoned, EpisodeRunner, completion_text
+
+WAIT = 60  # seconds: generous bounds for conditions that hold within milliseconds on an idle machine
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
 
 
 class FakeModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(2, 2)
-        self.seen = []
+        self.seen = []  # (training, grad enabled) per generate
+        self.kwargs = []  # the sampling kwargs of each generate
+        self.forwards = 0
+        self.hold: threading.Event | None = None  # when set: generate waits for it
+        self.entered = threading.Event()
+        self.running = 0  # generate calls running now
+        self.lock = threading.Lock()
 
-    def generate(self, input_ids, attention_mask=None, max_new_tokens=1):
-        self.seen.append((self.training, torch.is_grad_enabled()))
-        out = self.lin(torch.ones(input_ids.shape[0], 2)).argmax(dim=1, keepdim=True)
-        return torch.cat([input_ids, out.repeat(1, max_new_tokens)], dim=1)
+    def generate(self, input_ids, attention_mask=None, max_new_tokens=1, **kwargs):
+        with self.lock:
+            self.running += 1
+        try:
+            self.seen.append((self.training, torch.is_grad_enabled()))
+            self.kwargs.append(kwargs)
+            self.entered.set()
+            if self.hold is not None:
+                assert self.hold.wait(WAIT)
+            out = self.lin(torch.ones(input_ids.shape[0], 2)).argmax(dim=1, keepdim=True)
+            return torch.cat([input_ids, out.repeat(1, max_new_tokens)], dim=1)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.lin(x)
 
 
 BAD_VALUES = {"None": None, "nan": math.nan, "1.5": 1.5, "-0.1": -0.1, "str": "high", "True": True}
@@ -29,7 +56,26 @@ BAD_VALUES = {"None": None, "nan": math.nan, "1.5": 1.5, "-0.1": -0.1, "str": "h
 class ScriptedEnv:
     """score_episode does whatever the completion says."""
 
+    def __init__(self):
+        self.go = threading.Event()  # lets a "late" or "block" episode go on
+        self.finished = threading.Event()
+        self.errors: list[BaseException] = []
+        self.stashed = None
+        self.gen_kwargs: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.inside = self.max_inside = 0
+
     def score_episode(self, model, tokenizer, completion, answer=None):
+        with self.lock:
+            self.inside += 1
+            self.max_inside = max(self.max_inside, self.inside)
+        try:
+            return self._play(model, completion)
+        finally:
+            with self.lock:
+                self.inside -= 1
+
+    def _play(self, model, completion):
         kind, _, arg = completion.partition(":")
         if kind == "sleep":
             time.sleep(float(arg))
@@ -38,20 +84,43 @@ class ScriptedEnv:
             raise ValueError("env exploded")
         if kind == "value":
             return BAD_VALUES[arg]
+        if kind == "score":
+            return float(arg)
         if kind == "generate":
-            out = model.generate(torch.ones(1, 2, dtype=torch.long), max_new_tokens=3)
+            kwargs = self.gen_kwargs.get(arg, {})
+            out = model.generate(torch.ones(1, 2, dtype=torch.long), max_new_tokens=3, **kwargs)
             return 1.0 if out.shape == (1, 5) and not out.requires_grad else 0.0
+        if kind == "late":  # outlives its timeout, then tries every way into the model
+            self.go.wait(WAIT)
+            x, ids = torch.ones(1, 2), torch.ones(1, 2, dtype=torch.long)
+            for use in (lambda: model.generate(ids), lambda: model(x), lambda: model.forward(x), lambda: model.lin):
+                try:
+                    use()
+                except BaseException as e:
+                    self.errors.append(e)
+            self.finished.set()
+            return 1.0
+        if kind == "block":
+            self.go.wait(WAIT)
+            self.finished.set()
+            return 1.0
+        if kind == "stash":
+            self.stashed = model
+            return 1.0
         return 0.5
 
 
-def runner(**cfg) -> EpisodeRunner:
-    r = EpisodeRunner(ScriptedEnv(), None, RuntimeConfig(**cfg), ["answer"])
+def runner(env=None, sampling=None, group_size=None, **cfg) -> EpisodeRunner:
+    r = EpisodeRunner(env or ScriptedEnv(), None, RuntimeConfig(**cfg), ["answer"], sampling, group_size)
     r.bind(FakeModel())
     return r
 
 
 def rows(n):
     return [{"answer": i} for i in range(n)]
+
+
+# --- concurrency and timeouts ---------------------------------------------------------------------
 
 
 def test_io_bound_episodes_run_concurrently():
@@ -66,15 +135,15 @@ def test_io_bound_episodes_run_concurrently():
 def test_not_thread_safe_env_runs_one_at_a_time():
     env = ScriptedEnv()
     env.thread_safe = False
-    r = EpisodeRunner(env, None, RuntimeConfig(max_concurrency=8), ["answer"])
-    r.bind(FakeModel())
+    r = runner(env, max_concurrency=8)
     start = time.monotonic()
     r.score(["sleep:0.05"] * 6, rows(6))
     assert time.monotonic() - start >= 0.3
+    assert env.max_inside == 1
 
 
 def test_timeout_scores_zero_and_does_not_hang():
-    r = runner(episode_timeout_s=0.3, on_error="zero", max_failures=5)
+    r = runner(episode_timeout_s=0.3, on_error="zero")
     start = time.monotonic()
     scores, metrics = r.score(["sleep:30", "ok", "ok"], rows(3))
     assert time.monotonic() - start < 2
@@ -88,30 +157,69 @@ def test_timeout_with_raise_policy_names_the_setting():
         r.score(["sleep:30"], rows(1))
 
 
-def test_exception_with_raise_policy_has_traceback_row_and_completion():
-    r = runner(on_error="raise")
-    with pytest.raises(EnvError) as e:
-        r.score(["ok", "raise:now"], rows(2))
-    msg = str(e.value)
-    assert "ScriptedEnv.score_episode raised" in msg and "ValueError: env exploded" in msg
-    assert "{'answer': 1}" in msg and "'raise:now'" in msg and 'line' in msg  # traceback lines
+def test_not_thread_safe_env_never_overlaps_an_abandoned_episode():
+    env = ScriptedEnv()
+    env.thread_safe = False
+    r = runner(env, episode_timeout_s=1.0, on_error="zero")
+    scores, _ = r.score(["score:1", "block:"], rows(2))  # "block" is abandoned, still holding the env
+    assert scores == [1.0, 0.0]
+    scores, metrics = r.score(["score:1", "score:1"], rows(2))  # the next batch waits for it, and times out
+    assert scores == [0.0, 0.0] and metrics["env/timeouts"] == 3
+    r.cfg.on_error = "raise"
+    with pytest.raises(EnvError, match="waiting for an abandoned episode of this non-thread-safe env"):
+        r.score(["score:1"], rows(1))
+    env.go.set()
+    assert env.finished.wait(WAIT)
+    r.cfg.episode_timeout_s = WAIT  # "block" ends right after finished is set; this one waits for it
+    assert r.score(["score:1"], rows(1))[0] == [1.0]  # the env is free again
+    assert env.max_inside == 1
 
 
-def test_zero_policy_counts_then_stops_after_max_failures():
-    r = runner(on_error="zero", max_failures=2)
-    scores, metrics = r.score(["raise:x", "raise:x", "ok"], rows(3))
-    assert scores == [0.0, 0.0, 0.5] and metrics["env/failures"] == 2
-    with pytest.raises(EnvError, match=r"3 episodes of ScriptedEnv failed or timed out, more than runtime.max_failures=2"):
-        r.score(["raise:x"], rows(1))
+# --- the model handle -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", sorted(BAD_VALUES))
-def test_bad_scores_always_stop(value):
-    r = runner(on_error="zero")
-    with pytest.raises(EnvError) as e:
-        r.score([f"value:{value}"], rows(1))
-    assert "ScriptedEnv.score_episode returned" in str(e.value) and "{'answer': 0}" in str(e.value)
-    assert f"returned {BAD_VALUES[value]!r}" in str(e.value)
+def test_abandoned_episode_can_no_longer_use_the_model():
+    env = ScriptedEnv()
+    r = runner(env, episode_timeout_s=0.3)
+    scores, _ = r.score(["late:", "ok"], rows(2))
+    assert scores == [0.0, 0.5]
+    env.go.set()  # training would go on now; the abandoned episode wakes up and reaches for the model
+    assert env.finished.wait(WAIT)
+    assert len(env.errors) == 4 and all(isinstance(e, EpisodeAbandoned) for e in env.errors), env.errors
+    assert str(env.errors[0]) == ("episode 0 of ScriptedEnv was abandoned after its timeout "
+                                  "(runtime.episode_timeout_s=0.3); it can no longer use the model.")
+    assert r.model.seen == [] and r.model.forwards == 0
+
+
+def test_a_model_kept_beyond_its_episode_is_refused():
+    env = ScriptedEnv()
+    r = runner(env)
+    assert r.score(["stash:"], rows(1))[0] == [1.0]
+    with pytest.raises(EpisodeAbandoned, match="episode 0 of ScriptedEnv ended with its batch"):
+        env.stashed.generate(torch.ones(1, 2, dtype=torch.long))
+    assert r.model.seen == []
+
+
+@pytest.mark.parametrize("batch_generate", [True, False])
+def test_score_returns_only_after_model_calls_in_flight_finish(batch_generate):
+    r = runner(episode_timeout_s=0.3, max_concurrency=2, batch_generate=batch_generate, batch_wait_ms=5)
+    r.model.hold = threading.Event()
+    result = {}
+
+    def score():
+        result["scores"], _ = r.score(["generate:", "generate:"], rows(2))
+        result["running_at_return"] = r.model.running
+
+    t = threading.Thread(target=score)
+    t.start()
+    assert r.model.entered.wait(WAIT)
+    # both episodes time out after 0.3 s, but a generate is still running (merged: longer than a 5 s join)
+    t.join(timeout=6.0 if batch_generate else 1.0)
+    assert t.is_alive(), "score() returned while the env's generate was still running"
+    r.model.hold.set()
+    t.join(timeout=WAIT)
+    assert not t.is_alive()
+    assert result == {"scores": [0.0, 0.0], "running_at_return": 0}
 
 
 def test_env_generate_runs_in_eval_mode_without_grad_and_train_mode_is_restored():
@@ -123,6 +231,100 @@ def test_env_generate_runs_in_eval_mode_without_grad_and_train_mode_is_restored(
     assert r.model.training is True
 
 
+def test_env_turns_sample_with_the_configured_settings_and_greedily_in_evaluation():
+    env = ScriptedEnv()
+    env.gen_kwargs = {"own_temperature": {"temperature": 0.2}, "greedy": {"do_sample": False}}
+    r = runner(env, sampling=SAMPLING, batch_generate=False)
+    r.score(["generate:", "generate:own_temperature", "generate:greedy"], rows(3))
+    expected = [SAMPLING, SAMPLING | {"temperature": 0.2}, {"do_sample": False}]
+    assert _canonical(r.model.kwargs) == _canonical(expected)
+    r.model.kwargs.clear()
+    r.score(["generate:", "generate:own_temperature"], rows(2), evaluation=True)
+    expected = [{"do_sample": False}, {"do_sample": False, "temperature": 0.2}]
+    assert _canonical(r.model.kwargs) == _canonical(expected)
+
+
+def _canonical(dicts: list[dict]) -> list[list]:
+    return sorted(sorted(d.items()) for d in dicts)
+
+
+def test_hotel_turns_leave_sampling_to_the_runtime():
+    from grpo_pipeline.envs.hotel import HotelEnv
+    from grpo_pipeline.models import build_tiny_tokenizer
+
+    model = FakeModel()
+    model.device = torch.device("cpu")
+    HotelEnv()._next_turn(model, build_tiny_tokenizer(), [{"role": "user", "content": "a room please"}])
+    assert len(model.kwargs) == 1 and "do_sample" not in model.kwargs[0]
+
+
+# --- failure policy -------------------------------------------------------------------------------
+
+
+def test_exception_with_raise_policy_has_traceback_row_and_completion():
+    r = runner(on_error="raise")
+    with pytest.raises(EnvError) as e:
+        r.score(["ok", "raise:now"], rows(2))
+    msg = str(e.value)
+    assert "ScriptedEnv.score_episode raised" in msg and "ValueError: env exploded" in msg
+    assert "{'answer': 1}" in msg and "'raise:now'" in msg and 'line' in msg  # traceback lines
+
+
+def test_a_flaky_env_survives_a_long_run():
+    r = runner(on_error="zero")  # defaults: max_failure_rate=0.1 over failure_window=200
+    for _ in range(30):  # 3000 episodes, 1 % of them fail
+        completions = ["ok"] * 99 + ["raise:x"]
+        scores, metrics = r.score(completions, rows(100))
+        assert scores == [0.5] * 99 + [0.0]
+    assert metrics["env/failures"] == 30 and metrics["env/failures_in_batch"] == 1
+
+
+def test_a_burst_of_failures_stops_the_run_naming_both_keys():
+    r = runner(on_error="zero")
+    for _ in range(10):
+        r.score(["ok"] * 40, rows(40))
+    r.score(["ok"] * 30 + ["raise:x"] * 10, rows(40))
+    r.score(["ok"] * 30 + ["raise:x"] * 10, rows(40))  # 20 of the last 200: at the limit, not over it
+    with pytest.raises(EnvError) as e:
+        r.score(["ok"] * 39 + ["raise:x"], rows(40))
+    msg = str(e.value)
+    assert "21 of the last 200 episodes of ScriptedEnv failed or timed out" in msg
+    assert "runtime.max_failure_rate=0.1 x runtime.failure_window=200 = 20" in msg
+    assert "ValueError: env exploded" in msg and "{'answer': 30}" in msg and "'raise:x'" in msg
+
+
+def test_an_env_that_fails_every_episode_of_two_batches_looks_broken():
+    r = runner(on_error="zero", max_failure_rate=1.0)
+    assert r.score(["raise:x"] * 3, rows(3))[0] == [0.0] * 3
+    with pytest.raises(EnvError, match=r"Every episode of the first 2 batches of ScriptedEnv failed .* broken"):
+        r.score(["raise:x"] * 3, rows(3))
+    r = runner(on_error="zero", max_failure_rate=1.0)
+    r.score(["raise:x"] * 3, rows(3))
+    r.score(["raise:x", "ok"], rows(2))  # one success: not broken
+    r.score(["raise:x"] * 3, rows(3))
+
+
+def test_runtime_keys_are_validated_by_name(compose_cfg, tmp_path):
+    cfg = compose_cfg(["runtime.max_failure_rate=1.5", "runtime.failure_window=0", f"output_dir={tmp_path}"])
+    problems = config_problems(cfg)
+    assert any(p.startswith("runtime.max_failure_rate=1.5: must be in [0, 1]") for p in problems), problems
+    assert any(p.startswith("runtime.failure_window=0: must be >= 1") for p in problems), problems
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(["runtime.max_failures=5"])  # replaced by max_failure_rate / failure_window
+
+
+@pytest.mark.parametrize("value", sorted(BAD_VALUES))
+def test_bad_scores_always_stop(value):
+    r = runner(on_error="zero")
+    with pytest.raises(EnvError) as e:
+        r.score([f"value:{value}"], rows(1))
+    assert "ScriptedEnv.score_episode returned" in str(e.value) and "{'answer': 0}" in str(e.value)
+    assert f"returned {BAD_VALUES[value]!r}" in str(e.value)
+
+
+# --- what TRL and the evaluation see --------------------------------------------------------------
+
+
 def test_reward_function_passes_extra_columns_and_logs_metrics():
     r = runner()
     logged = {}
@@ -132,7 +334,35 @@ def test_reward_function_passes_extra_columns_and_logs_metrics():
         trainer_state=None, log_metric=lambda k, v: logged.__setitem__(k, v),
     )
     assert scores == [0.5, 0.5] and fn.__name__ == "env"
-    assert {"env/failures", "env/timeouts", "env/episode_seconds_mean"} <= set(logged)
+    assert {"env/failures", "env/failures_in_batch", "env/timeouts", "env/episode_seconds_mean"} <= set(logged)
+
+
+def test_failed_episodes_get_their_groups_mean_so_no_advantage():
+    r = runner(group_size=4)
+    logged = {}
+    completions = ["score:1", "raise:x", "score:0.2", "score:0.6",  # group of prompt a
+                   "raise:x", "raise:x", "raise:x", "raise:x",  # b: all failed
+                   "raise:x", "score:0.5", "score:0.5", "score:0.5",  # c, 8 times: two groups of group_size=4
+                   "score:1", "score:1", "score:1", "raise:x"]
+    prompts = ["a"] * 4 + ["b"] * 4 + ["c"] * 8
+    scores = r.reward_function()(prompts=prompts, completions=completions, answer=list(range(16)),
+                                 log_metric=lambda k, v: logged.__setitem__(k, v))
+    assert scores == pytest.approx([1, 0.6, 0.2, 0.6, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5, 1, 1, 1, 1])
+    group_a = scores[:4]
+    assert scores[1] == pytest.approx(sum(group_a) / 4)  # advantage (score - group mean) of the failed one: 0
+    assert logged["env/failures_in_batch"] == 7 and logged["env/failures"] == 7
+
+
+def test_evaluation_counts_failures_apart_and_never_stops_the_run():
+    r = runner(on_error="raise", max_failure_rate=0.0)
+    for _ in range(3):  # would stop a training run at once (raise, rate 0, a broken env)
+        scores, metrics = r.score(["raise:x", "score:1", "raise:x"], rows(3), evaluation=True)
+        assert scores == [0.0, 1.0, 0.0] and metrics["eval/failures"] == 2
+    assert r.eval_failures == 6 and r.failures == 0 and r.budget.episodes == 0
+    with pytest.raises(EnvError, match="returned nan"):
+        r.score(["value:nan"], rows(1), evaluation=True)
+    with pytest.raises(EnvError, match="env exploded"):
+        r.score(["raise:x"], rows(1))
 
 
 def test_completion_text():

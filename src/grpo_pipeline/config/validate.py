@@ -79,6 +79,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"runtime.max_concurrency={run.max_concurrency}: must be >= 1.")
     if run.episode_timeout_s <= 0:
         p.append(f"runtime.episode_timeout_s={run.episode_timeout_s}: must be > 0.")
+    if not 0 <= run.max_failure_rate <= 1:
+        p.append(f"runtime.max_failure_rate={run.max_failure_rate}: must be in [0, 1] (a share of "
+                 "runtime.failure_window episodes; 1 never stops for failures).")
+    if run.failure_window < 1:
+        p.append(f"runtime.failure_window={run.failure_window}: must be >= 1 (episodes).")
 
     if cfg.eval.enabled and (cfg.eval.num_prompts < 1 or cfg.eval.batch_size < 1):
         p.append("eval.num_prompts and eval.batch_size must be >= 1 when eval.enabled=true.")

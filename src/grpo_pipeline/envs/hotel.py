@@ -184,9 +184,8 @@ class HotelEnv:
     def _next_turn(self, model, tokenizer, messages: list[dict]) -> str:
         text, _ = render_prompt(tokenizer, messages, self.get_tools() if supports_tools(tokenizer) else None)
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-        out = model.generate(
-            **inputs, max_new_tokens=self.turn_max_new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id
-        )
+        # sampling (do_sample, temperature, ...) comes from the runtime: the run's settings in training, greedy in eval
+        out = model.generate(**inputs, max_new_tokens=self.turn_max_new_tokens, pad_token_id=tokenizer.pad_token_id)
         return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 

@@ -6,9 +6,12 @@ queued call with the same sampling arguments once all live episodes are waiting 
 has waited `max_wait_s`, so an episode busy with I/O does not hold the others back).
 
 Each caller gets back exactly what its own call would return: its rows, its own left padding, and
-generated tokens up to its own `max_new_tokens`, cut where all its rows have ended (as `generate`
-does for a single call). Calls the batcher cannot merge (e.g. `return_dict_in_generate=True`, or
-inputs other than token ids) run on their own.
+generated tokens up to its own `max_new_tokens`, cut where all its rows have ended at its own eos (as
+`generate` does for a single call). A call without `attention_mask` gets the mask `generate` would
+infer (pad positions masked when pad != eos). When a merged call raises, each of its calls is re-run
+alone, so one bad call (out-of-range ids, ...) fails only its own episode, with an error naming it.
+Calls the batcher cannot merge (e.g. `return_dict_in_generate=True`, beam search, inputs other than
+token ids) run on their own. After `close()` every call fails at once.
 """
 
 import threading
@@ -21,12 +24,20 @@ _MERGEABLE = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "m
               "pad_token_id", "eos_token_id", "num_beams", "use_cache"}
 
 
+class GenerateFailed(RuntimeError):
+    """A queued generate call failed; the message names the episode that made it."""
+
+
 class _Call:
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, kwargs: dict):
-        self.input_ids, self.attention_mask, self.kwargs = input_ids, attention_mask, kwargs
-        # calls merge when they sample alike; max_new_tokens may differ (each result is cut to its own)
-        same = tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k != "max_new_tokens"))
-        self.key = (same, "max_new_tokens" in kwargs)
+    def __init__(self, owner: str | None, args: tuple, kwargs: dict, input_ids: torch.Tensor,
+                 attention_mask: torch.Tensor, gen_kwargs: dict, limit: int | None, eos_ids: torch.Tensor):
+        self.owner, self.args, self.kwargs = owner, args, kwargs  # the original call, for a solo re-run
+        self.input_ids, self.attention_mask, self.gen_kwargs = input_ids, attention_mask, gen_kwargs
+        self.limit, self.eos_ids = limit, eos_ids
+        # calls merge when they sample alike; max_new_tokens may differ (each result is cut to its own). Without
+        # any max_new_tokens, generate stops at a total max_length, so only calls of one prompt width merge.
+        same = tuple(sorted((k, repr(v)) for k, v in gen_kwargs.items() if k != "max_new_tokens"))
+        self.key = (same, input_ids.shape[1] if limit is None else None)
         self.created = time.monotonic()
         self.done = threading.Event()
         self.result: torch.Tensor | None = None
@@ -36,9 +47,9 @@ class _Call:
 class GenerateBatcher:
     def __init__(self, model, pad_token_id: int, eos_token_id: int | list[int] | None, max_wait_s: float = 0.02):
         self.model = model
+        # fallbacks for a model without a generation_config; a real model's config and the call's kwargs win
         self.pad_token_id = pad_token_id
-        eos = eos_token_id if eos_token_id is not None else []
-        self.eos_ids = torch.tensor(eos if isinstance(eos, list) else [eos])
+        self.eos_token_id = eos_token_id
         self.max_wait_s = max_wait_s
         self.cond = threading.Condition()
         self.pending: list[_Call] = []
@@ -59,37 +70,67 @@ class GenerateBatcher:
             self.active -= 1
             self.cond.notify_all()
 
+    def cancel(self, owner: str, error: BaseException) -> None:
+        """Fail `owner`'s queued calls that have not started (its episode was abandoned)."""
+        with self.cond:
+            mine = [c for c in self.pending if c.owner == owner]
+            self.pending = [c for c in self.pending if c.owner != owner]
+        for call in mine:
+            call.error = error
+            call.done.set()
+
     def close(self) -> None:
+        """Stop taking calls; queued and running ones finish first (however long a generate takes)."""
         with self.cond:
             self.running = False
             self.cond.notify_all()
-        self.worker.join(timeout=5)
+        self.worker.join()
 
     # --- the env's side --------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
-        call = self._as_call(args, kwargs)
-        if call is None or not self.running:
+        return self.submit(None, args, kwargs)
+
+    def submit(self, owner: str | None, args: tuple, kwargs: dict):
+        """`model.generate(*args, **kwargs)` for `owner` (e.g. "episode 3 (row ...)"), merged when possible."""
+        call = self._as_call(owner, args, kwargs)
+        with self.cond:  # check and enqueue at once: the worker never exits with a call left behind
+            if not self.running:
+                raise RuntimeError(f"GenerateBatcher is closed (its batch was scored); the generate call of "
+                                   f"{owner or 'a caller'} is refused.")
+            if call is not None:
+                self.pending.append(call)
+                self.cond.notify_all()
+        if call is None:
             with torch.no_grad():
                 return self.model.generate(*args, **kwargs)
-        with self.cond:
-            self.pending.append(call)
-            self.cond.notify_all()
         call.done.wait()
         if call.error is not None:
             raise call.error
         return call.result
 
-    def _as_call(self, args, kwargs) -> _Call | None:
-        kwargs = dict(kwargs)
-        input_ids = args[0] if args else kwargs.pop("input_ids", kwargs.pop("inputs", None))
+    def _as_call(self, owner, args, kwargs) -> _Call | None:
+        gen_kwargs = dict(kwargs)
+        input_ids = args[0] if args else gen_kwargs.pop("input_ids", gen_kwargs.pop("inputs", None))
         if len(args) > 1 or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return None
-        mask = kwargs.pop("attention_mask", None)
-        if set(kwargs) - _MERGEABLE:
+        if input_ids.dtype not in (torch.int, torch.long):
             return None
+        mask = gen_kwargs.pop("attention_mask", None)
+        if set(gen_kwargs) - _MERGEABLE or (gen_kwargs.get("num_beams") or 1) > 1:
+            return None
+        config = getattr(self.model, "generation_config", None)
+        eos = _first_set(gen_kwargs.get("eos_token_id"), getattr(config, "eos_token_id", None),
+                         None if config is not None else self.eos_token_id)
+        eos_ids = torch.tensor(eos if isinstance(eos, list) else ([] if eos is None else [eos])).flatten()
+        pad = _first_set(gen_kwargs.get("pad_token_id"), getattr(config, "pad_token_id", None),
+                         None if config is not None else self.pad_token_id,
+                         int(eos_ids[0]) if len(eos_ids) else None)  # generate pads with eos when pad is unset
         if mask is None:
-            mask = torch.ones_like(input_ids)
-        return _Call(input_ids, mask, kwargs)
+            mask = _inferred_attention_mask(input_ids, pad, eos_ids)
+        limit = _first_set(gen_kwargs.get("max_new_tokens"), getattr(config, "max_new_tokens", None))
+        if limit is not None:
+            gen_kwargs["max_new_tokens"] = limit
+        return _Call(owner, args, kwargs, input_ids, mask, gen_kwargs, limit, eos_ids)
 
     # --- the worker ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -117,42 +158,81 @@ class GenerateBatcher:
 
     def _run(self, calls: list[_Call]) -> None:
         try:
-            width = max(c.input_ids.shape[1] for c in calls)
-            ids = torch.cat([_left_pad(c.input_ids, width, self.pad_token_id) for c in calls])
-            mask = torch.cat([_left_pad(c.attention_mask, width, 0) for c in calls])
-            kwargs = dict(calls[0].kwargs)
-            limits = [c.kwargs.get("max_new_tokens") for c in calls]
-            if None not in limits:
-                kwargs["max_new_tokens"] = max(limits)
-            device = getattr(self.model, "device", ids.device)
-            with torch.no_grad():
-                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs).cpu()
+            if len(calls) == 1:
+                self._run_alone(calls[0])
+                return
+            try:
+                out, width = self._generate_merged(calls)
+            except Exception:  # one bad call must not fail the others: each runs on its own
+                for call in calls:
+                    self._run_alone(call)
+                return
             self.calls += len(calls)
             self.batches += 1
             row = 0
-            for call, limit in zip(calls, limits, strict=True):
+            for call in calls:
                 n = call.input_ids.shape[0]
                 mine = out[row : row + n, width - call.input_ids.shape[1] :]
-                call.result = self._trim(mine, call.input_ids.shape[1], limit).to(call.input_ids.device)
+                mine = _trim(mine, call.input_ids.shape[1], call.limit, call.eos_ids)
+                call.result = mine.to(call.input_ids.device)
                 row += n
-        except BaseException as e:  # every waiting episode learns of it
+        except BaseException as e:  # every waiting episode learns of it; none waits forever
             for call in calls:
-                call.error = e
+                call.error = call.error or e
         finally:
             for call in calls:
                 call.done.set()
 
-    def _trim(self, out: torch.Tensor, prompt_len: int, limit: int | None) -> torch.Tensor:
-        """Cut the generated part where all rows have produced eos (inclusive), and at `limit` tokens."""
-        gen = out[:, prompt_len:]
-        if limit is not None:
-            gen = gen[:, :limit]
-        if len(self.eos_ids) and gen.shape[1]:
-            is_eos = torch.isin(gen, self.eos_ids)
-            ended = is_eos.any(dim=1)
-            if ended.all():
-                gen = gen[:, : int(is_eos.int().argmax(dim=1).max()) + 1]
-        return torch.cat([out[:, :prompt_len], gen], dim=1)
+    def _generate_merged(self, calls: list[_Call]) -> tuple[torch.Tensor, int]:
+        width = max(c.input_ids.shape[1] for c in calls)
+        pad = calls[0].gen_kwargs.get("pad_token_id") or 0  # any id: padded positions are masked
+        ids = torch.cat([_left_pad(c.input_ids.cpu(), width, pad) for c in calls])
+        mask = torch.cat([_left_pad(c.attention_mask.cpu(), width, 0) for c in calls])
+        kwargs = dict(calls[0].gen_kwargs)
+        if calls[0].limit is not None:
+            kwargs["max_new_tokens"] = max(c.limit for c in calls)
+        device = getattr(self.model, "device", ids.device)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        return out.cpu(), width
+
+    def _run_alone(self, call: _Call) -> None:
+        try:
+            with torch.no_grad():
+                call.result = self.model.generate(*call.args, **call.kwargs)
+            self.calls += 1
+            self.batches += 1
+        except Exception as e:
+            shape, first_ids = tuple(call.input_ids.shape), call.input_ids[:, :8].tolist()
+            call.error = GenerateFailed(
+                f"model.generate failed for {call.owner or 'a queued call'} (input_ids {shape}, first ids "
+                f"{first_ids}): {type(e).__name__}: {e}"
+            )
+            call.error.__cause__ = e
+
+
+def _first_set(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _inferred_attention_mask(input_ids: torch.Tensor, pad: int | None, eos_ids: torch.Tensor) -> torch.Tensor:
+    """The mask `generate` infers without one (transformers' `_prepare_attention_mask_for_generation`):
+    pad positions are masked when the pad id occurs in the input and is not an eos id; else all ones."""
+    if pad is not None and bool((input_ids == pad).any()) and pad not in eos_ids.tolist():
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids, dtype=torch.long)
+
+
+def _trim(out: torch.Tensor, prompt_len: int, limit: int | None, eos_ids: torch.Tensor) -> torch.Tensor:
+    """Cut the generated part where all rows have produced eos (inclusive), and at `limit` tokens."""
+    gen = out[:, prompt_len:]
+    if limit is not None:
+        gen = gen[:, :limit]
+    if len(eos_ids) and gen.shape[1]:
+        is_eos = torch.isin(gen, eos_ids.to(gen.device))
+        if is_eos.any(dim=1).all():
+            gen = gen[:, : int(is_eos.int().argmax(dim=1).max()) + 1]
+    return torch.cat([out[:, :prompt_len], gen], dim=1)
 
 
 def _left_pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:

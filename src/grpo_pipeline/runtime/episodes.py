@@ -3,15 +3,21 @@
 TRL calls reward functions once per generation batch, synchronously. `EpisodeRunner.reward_function()`
 is such a function: it runs the env's `score_episode` for every completion of the batch on up to
 `runtime.max_concurrency` daemon threads, so slow I/O-bound envs overlap, and a hung episode is
-abandoned after `runtime.episode_timeout_s` instead of stalling the run (Python cannot kill a
-thread; the abandoned one finishes in the background and its result is ignored).
+abandoned after `runtime.episode_timeout_s` instead of stalling the run. Python cannot kill a thread:
+an abandoned episode runs on in the background, but its model handle is revoked (see policy.py), and
+model calls still in flight when the batch ends finish before the reward function returns, so the
+trainer never updates weights under an env's generate. An env with `thread_safe = False` runs one
+episode at a time, abandoned ones included (a lock held across batches).
 
 Failure policy (`runtime.on_error`):
-- `zero` : an exception or timeout scores 0 and is counted; more than `runtime.max_failures` in one
-           run stops it with the first failure's traceback (a broken env fails fast, a flaky one
-           does not kill a long run).
+- `zero` : an exception or timeout scores 0 and is counted; the run stops when more than
+           `runtime.max_failure_rate` of the last `runtime.failure_window` training episodes failed, or
+           when every episode of the first two batches failed (failures.py). In the reward TRL sees, a
+           failed episode gets its group's mean successful score, so it adds no advantage.
 - `raise`: the first exception or timeout stops the run.
 A score that is not a finite number in [0, 1] is a bug in the env and always stops the run.
+`score(..., evaluation=True)` (held-out evaluation) scores env turns greedily, counts its failures
+apart, and never stops the run for them.
 """
 
 import math
@@ -21,81 +27,16 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.errors import EnvError
 from grpo_pipeline.runtime.batching import GenerateBatcher
+from grpo_pipeline.runtime.bounded import Episode, run_bounded
+from grpo_pipeline.runtime.failures import FailureBudget, fill_failed_with_group_mean
+from grpo_pipeline.runtime.policy import EpisodeAbandoned, InFlight, PolicyHandle
 
+GREEDY = {"do_sample": False}
 
-class PolicyHandle:
-    """What the env receives as `model`: the live policy with gradients off for every call; its
-    `generate` calls are merged with other episodes' by the batcher when there is one."""
-
-    def __init__(self, model, batcher: GenerateBatcher | None = None):
-        self._model = model
-        self._batcher = batcher
-
-    def generate(self, *args, **kwargs):
-        if self._batcher is not None:
-            return self._batcher.generate(*args, **kwargs)
-        with torch.no_grad():
-            return self._model.generate(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        with torch.no_grad():
-            return self._model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-class Episode:
-    def __init__(self, fn: Callable[[], Any]):
-        self.fn = fn
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.started = 0.0
-        self.seconds = 0.0
-        self.done = False
-        self.timed_out = False
-
-    def run(self, changed: threading.Event) -> None:
-        try:
-            self.value = self.fn()
-        except BaseException as e:  # reported to the caller with its traceback
-            self.error = e
-        finally:
-            self.seconds = time.monotonic() - self.started
-            self.done = True
-            changed.set()
-
-
-def run_bounded(fns: list[Callable[[], Any]], max_workers: int, timeout_s: float) -> list[Episode]:
-    """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned."""
-    episodes = [Episode(fn) for fn in fns]
-    waiting = list(reversed(range(len(episodes))))
-    running: set[int] = set()
-    changed = threading.Event()
-    while waiting or running:
-        changed.clear()  # before the scan below: a completion after it still wakes the wait
-        while waiting and len(running) < max(1, max_workers):
-            i = waiting.pop()
-            episodes[i].started = time.monotonic()
-            threading.Thread(target=episodes[i].run, args=(changed,), daemon=True).start()
-            running.add(i)
-        now = time.monotonic()
-        for i in list(running):
-            ep = episodes[i]
-            if ep.done:
-                running.discard(i)
-            elif now - ep.started >= timeout_s:
-                ep.timed_out, ep.seconds = True, now - ep.started
-                running.discard(i)
-        if running:
-            next_deadline = min(episodes[i].started + timeout_s for i in running)
-            changed.wait(timeout=max(0.0, next_deadline - time.monotonic()))
-    return episodes
+__all__ = ["Episode", "EpisodeAbandoned", "EpisodeRunner", "PolicyHandle", "completion_text", "score_problem"]
 
 
 def completion_text(completion: Any) -> str:
@@ -114,36 +55,57 @@ def score_problem(value: Any) -> str | None:
 
 
 class EpisodeRunner:
-    def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str]):
+    def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str],
+                 sampling: dict | None = None, group_size: int | None = None):
+        """`sampling`: generate settings for the env's turns in training (e.g. {"do_sample": True,
+        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them.
+        `group_size`: generation.num_generations, the most completions of one prompt in a GRPO group."""
         self.env = env
         self.env_name = type(env).__qualname__
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.extra_columns = list(extra_columns)
-        self.max_workers = cfg.max_concurrency if getattr(env, "thread_safe", True) else 1
+        self.sampling = dict(sampling or {})
+        self.group_size = group_size
+        thread_safe = getattr(env, "thread_safe", True)
+        self.max_workers = cfg.max_concurrency if thread_safe else 1
+        self._exclusive = None if thread_safe else threading.Lock()  # held by the running episode, across batches
+        self._holder: Episode | None = None  # the episode holding it
+        self._stuck: Episode | None = None  # an abandoned holder that made another episode time out waiting
         self.model = None
-        self.failures = 0
-        self.timeouts = 0
-        self._first_failure: str | None = None
+        self.failures = self.timeouts = 0  # training episodes, whole run
+        self.eval_failures = self.eval_timeouts = 0
+        self.budget = FailureBudget(self.env_name, cfg.max_failure_rate, cfg.failure_window)
 
     def bind(self, model) -> None:
         self.model = model
 
-    def score(self, completions: list[str], rows: list[dict]) -> tuple[list[float], dict[str, float]]:
-        """Scores for one batch under the failure policy, and the batch's runtime metrics."""
-        episodes = self.run_episodes(completions, rows)
-        scores = [self._outcome(ep, c, row) for ep, c, row in zip(episodes, completions, rows, strict=True)]
-        seconds = [ep.seconds for ep in episodes]
-        metrics = {
-            "env/failures": float(self.failures),
-            "env/timeouts": float(self.timeouts),
-            "env/episode_seconds_mean": sum(seconds) / len(seconds),
-            "env/episode_seconds_max": max(seconds),
-        }
+    def score(self, completions: list[str], rows: list[dict], evaluation: bool = False
+              ) -> tuple[list[float], dict[str, float]]:
+        """Scores for one batch (failed episodes 0.0) and the batch's runtime metrics, under the failure
+        policy. With evaluation=True: greedy env turns, `eval/` counters, no stop for failures."""
+        scores, _, metrics = self._score(completions, rows, evaluation)
         return scores, metrics
 
-    def run_episodes(self, completions: list[str], rows: list[dict]) -> list[Episode]:
-        """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing."""
+    def reward_function(self) -> Callable:
+        """A TRL reward function (named after the env) that scores through this runner; a failed
+        episode gets its group's mean successful score (no advantage)."""
+
+        def reward(prompts, completions, log_metric=None, **columns):
+            rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]
+            scores, failed, metrics = self._score([completion_text(c) for c in completions], rows, False)
+            if log_metric is not None:
+                for name, value in metrics.items():
+                    log_metric(name, value)
+            return fill_failed_with_group_mean(scores, failed, list(prompts), self.group_size)
+
+        reward.__name__ = "env"
+        return reward
+
+    def run_episodes(self, completions: list[str], rows: list[dict],
+                     sampling: dict | None = None) -> list[Episode]:
+        """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing.
+        Returns once no env model call is running; every episode's model handle is revoked by then."""
         if self.model is None:
             raise RuntimeError("EpisodeRunner.bind(model) must be called before scoring.")
         batcher = None
@@ -154,63 +116,96 @@ class EpisodeRunner:
                 eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
                 max_wait_s=self.cfg.batch_wait_ms / 1000,
             )
-        policy = PolicyHandle(self.model, batcher)
+        in_flight = InFlight()
+        sampling = self.sampling if sampling is None else sampling
+        handles = [PolicyHandle(self.model, in_flight, f"episode {i} ({_preview(row)})", batcher, sampling)
+                   for i, row in enumerate(rows)]
         was_training = self.model.training
         self.model.eval()
         try:
-            fns = [self._episode_fn(policy, batcher, c, row) for c, row in zip(completions, rows, strict=True)]
-            episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s)
+            fns = [self._episode_fn(h, c, row) for h, c, row in zip(handles, completions, rows, strict=True)]
+            episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
+                                   on_timeout=lambda i: handles[i].revoke(self._abandoned(i)))
         finally:
+            for i, handle in enumerate(handles):
+                handle.revoke(f"episode {i} of {self.env_name} ended with its batch (the batch was scored); "
+                              "it can no longer use the model. Keep no reference to `model` beyond score_episode.")
+            in_flight.wait_idle()
             if batcher is not None:
                 batcher.close()
             self.model.train(was_training)
         return episodes
 
-    def reward_function(self) -> Callable:
-        """A TRL reward function (named after the env) that scores through this runner."""
+    def _abandoned(self, i: int) -> str:
+        return (f"episode {i} of {self.env_name} was abandoned after its timeout (runtime.episode_timeout_s="
+                f"{self.cfg.episode_timeout_s:g}); it can no longer use the model.")
 
-        def reward(prompts, completions, log_metric=None, **columns):
-            rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]
-            scores, metrics = self.score([completion_text(c) for c in completions], rows)
-            if log_metric is not None:
-                for name, value in metrics.items():
-                    log_metric(name, value)
-            return scores
-
-        reward.__name__ = "env"
-        return reward
-
-    def _episode_fn(self, policy, batcher, completion: str, row: dict) -> Callable[[], Any]:
-        def episode():
-            if batcher is None:
-                return self.env.score_episode(policy, self.tokenizer, completion, **row)
-            batcher.episode_started()
+    def _episode_fn(self, handle: PolicyHandle, completion: str, row: dict) -> Callable[[Episode], Any]:
+        def episode(ep: Episode):
+            if self._exclusive is None:
+                return self._play(handle, completion, row)
+            ep.waiting_for_lock = True  # time spent here counts toward the episode's timeout
+            if self._stuck is not None and self._stuck is self._holder:  # it already cost one episode a timeout
+                ep.timed_out = ep.timed_out_waiting = True
+                return None
+            left = ep.started + self.cfg.episode_timeout_s - time.monotonic()
+            if not self._exclusive.acquire(timeout=max(0.0, left)):
+                self._stuck = self._holder
+                ep.timed_out = ep.timed_out_waiting = True
+                return None
+            self._holder, ep.waiting_for_lock = ep, False
             try:
-                return self.env.score_episode(policy, self.tokenizer, completion, **row)
+                return None if handle.revoked else self._play(handle, completion, row)
             finally:
-                batcher.episode_ended()
+                self._holder = None
+                self._exclusive.release()
 
         return episode
 
-    def _outcome(self, ep: Episode, completion: str, row: dict) -> float:
-        if ep.timed_out or ep.error is not None:
-            if ep.timed_out:
-                self.timeouts += 1
-                what = f"timed out after {self.cfg.episode_timeout_s:g}s (runtime.episode_timeout_s)"
-            else:
-                what = "raised:\n" + "".join(traceback.format_exception(ep.error)).rstrip()
-            self.failures += 1
-            message = f"{self.env_name}.score_episode {what}\n{self._describe(completion, row)}"
-            self._first_failure = self._first_failure or message
-            if self.cfg.on_error == "raise":
-                raise EnvError(message + "\nSet runtime.on_error=zero to score failed episodes 0 instead.")
-            if self.failures > self.cfg.max_failures:
-                raise EnvError(
-                    f"{self.failures} episodes of {self.env_name} failed or timed out, more than "
-                    f"runtime.max_failures={self.cfg.max_failures}. The first:\n{self._first_failure}"
-                )
-            return 0.0
-        return self._check_score(ep.value, completion, row)
+    def _play(self, handle: PolicyHandle, completion: str, row: dict) -> Any:
+        handle.join_batcher()
+        try:
+            return self.env.score_episode(handle, self.tokenizer, completion, **row)
+        finally:
+            handle.leave_batcher()
+
+    def _score(self, completions, rows, evaluation: bool) -> tuple[list[float], list[bool], dict[str, float]]:
+        episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None)
+        failures = [self._failure(ep, c, row) for ep, c, row in zip(episodes, completions, rows, strict=True)]
+        scores = [0.0 if f else self._check_score(ep.value, c, row)
+                  for ep, f, c, row in zip(episodes, failures, completions, rows, strict=True)]
+        timeouts = sum(ep.timed_out for ep in episodes)
+        failed = [f is not None for f in failures]
+        seconds = [ep.seconds for ep in episodes]
+        metrics = {"episode_seconds_mean": sum(seconds) / len(seconds), "episode_seconds_max": max(seconds)}
+        if evaluation:
+            self.eval_failures += sum(failed)
+            self.eval_timeouts += timeouts
+            metrics |= {"failures": float(sum(failed)), "timeouts": float(timeouts)}
+            return scores, failed, {f"eval/{k}": v for k, v in metrics.items()}
+        self.failures += sum(failed)
+        self.timeouts += timeouts
+        first = next((f for f in failures if f), None)
+        if first and self.cfg.on_error == "raise":
+            raise EnvError(first + "\nSet runtime.on_error=zero to score failed episodes 0 instead.")
+        self.budget.record(failures)
+        metrics |= {"failures": float(self.failures), "failures_in_batch": float(sum(failed)),
+                    "timeouts": float(self.timeouts)}
+        return scores, failed, {f"env/{k}": v for k, v in metrics.items()}
+
+    def _failure(self, ep: Episode, completion: str, row: dict) -> str | None:
+        """Why the episode failed (with its traceback, row and completion), or None."""
+        if ep.timed_out_waiting:
+            what = (f"timed out after {self.cfg.episode_timeout_s:g}s (runtime.episode_timeout_s) waiting for an "
+                    "abandoned episode of this non-thread-safe env (thread_safe = False) to finish; its episodes "
+                    "run one at a time")
+        elif ep.timed_out:
+            what = f"timed out after {self.cfg.episode_timeout_s:g}s (runtime.episode_timeout_s)"
+        elif ep.error is not None:
+            what = "raised:\n" + "".join(traceback.format_exception(ep.error)).rstrip()
+        else:
+            return None
+        return f"{self.env_name}.score_episode {what}\n{self._describe(completion, row)}"
 
     def _check_score(self, value: Any, completion: str, row: dict) -> float:
         problem = score_problem(value)
@@ -222,3 +217,8 @@ class EpisodeRunner:
     def _describe(completion: str, row: dict) -> str:
         cols = {k: (v if len(repr(v)) < 120 else repr(v)[:117] + "...") for k, v in row.items()}
         return f"row (extra columns): {cols}\ncompletion starts: {completion[:200]!r}"
+
+
+def _preview(row: dict) -> str:
+    text = repr(row)
+    return "row " + (text if len(text) <= 80 else text[:77] + "...")

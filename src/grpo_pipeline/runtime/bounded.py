@@ -1,0 +1,63 @@
+"""Run functions on a bounded number of daemon threads, abandoning any that outlive a timeout.
+
+Python cannot kill a thread: an abandoned one runs on in the background and its result is ignored;
+`on_timeout` lets the caller cut it off from shared resources at that moment.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class Episode:
+    def __init__(self, fn: Callable[["Episode"], Any]):
+        self.fn = fn
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.started = 0.0
+        self.seconds = 0.0
+        self.done = False
+        self.timed_out = False
+        self.waiting_for_lock = False  # a non-thread-safe env's episode, waiting for the one before it
+        self.timed_out_waiting = False
+
+    def run(self, changed: threading.Event) -> None:
+        try:
+            self.value = self.fn(self)
+        except BaseException as e:  # reported to the caller with its traceback
+            self.error = e
+        finally:
+            self.seconds = self.seconds or time.monotonic() - self.started
+            self.done = True
+            changed.set()
+
+
+def run_bounded(fns: list[Callable[[Episode], Any]], max_workers: int, timeout_s: float,
+                on_timeout: Callable[[int], None] = lambda i: None) -> list[Episode]:
+    """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned
+    (`on_timeout(i)` is called at that moment)."""
+    episodes = [Episode(fn) for fn in fns]
+    waiting = list(reversed(range(len(episodes))))
+    running: set[int] = set()
+    changed = threading.Event()
+    while waiting or running:
+        changed.clear()  # before the scan below: a completion after it still wakes the wait
+        while waiting and len(running) < max(1, max_workers):
+            i = waiting.pop()
+            episodes[i].started = time.monotonic()
+            threading.Thread(target=episodes[i].run, args=(changed,), daemon=True).start()
+            running.add(i)
+        now = time.monotonic()
+        for i in list(running):
+            ep = episodes[i]
+            if ep.done:
+                running.discard(i)
+            elif now - ep.started >= timeout_s:
+                ep.timed_out, ep.seconds, ep.timed_out_waiting = True, now - ep.started, ep.waiting_for_lock
+                running.discard(i)
+                on_timeout(i)
+        if running:
+            next_deadline = min(episodes[i].started + timeout_s for i in running)
+            changed.wait(timeout=max(0.0, next_deadline - time.monotonic()))
+    return episodes
