@@ -34,17 +34,21 @@ class Episode:
 
 
 def run_bounded(fns: list[Callable[[Episode], Any]], max_workers: int, timeout_s: float,
+                on_start: Callable[[int], None] = lambda i: None,
                 on_timeout: Callable[[int], None] = lambda i: None) -> list[Episode]:
-    """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned
-    (`on_timeout(i)` is called at that moment)."""
+    """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned.
+    `on_start(i)` is called for every fn of a wave before any of its threads starts; `on_timeout(i)` at
+    the moment fn i is abandoned."""
     episodes = [Episode(fn) for fn in fns]
     waiting = list(reversed(range(len(episodes))))
     running: set[int] = set()
     changed = threading.Event()
     while waiting or running:
         changed.clear()  # before the scan below: a completion after it still wakes the wait
-        while waiting and len(running) < max(1, max_workers):
-            i = waiting.pop()
+        wave = [waiting.pop() for _ in range(min(len(waiting), max(1, max_workers) - len(running)))]
+        for i in wave:
+            on_start(i)
+        for i in wave:
             episodes[i].started = time.monotonic()
             threading.Thread(target=episodes[i].run, args=(changed,), daemon=True).start()
             running.add(i)

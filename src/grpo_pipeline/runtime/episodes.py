@@ -125,6 +125,7 @@ class EpisodeRunner:
         try:
             fns = [self._episode_fn(h, c, row) for h, c, row in zip(handles, completions, rows, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
+                                   on_start=lambda i: handles[i].join_batcher(),  # the batcher waits for the wave
                                    on_timeout=lambda i: handles[i].revoke(self._abandoned(i)))
         finally:
             for i, handle in enumerate(handles):
@@ -142,32 +143,32 @@ class EpisodeRunner:
 
     def _episode_fn(self, handle: PolicyHandle, completion: str, row: dict) -> Callable[[Episode], Any]:
         def episode(ep: Episode):
-            if self._exclusive is None:
-                return self._play(handle, completion, row)
-            ep.waiting_for_lock = True  # time spent here counts toward the episode's timeout
-            if self._stuck is not None and self._stuck is self._holder:  # it already cost one episode a timeout
-                ep.timed_out = ep.timed_out_waiting = True
-                return None
-            left = ep.started + self.cfg.episode_timeout_s - time.monotonic()
-            if not self._exclusive.acquire(timeout=max(0.0, left)):
-                self._stuck = self._holder
-                ep.timed_out = ep.timed_out_waiting = True
-                return None
-            self._holder, ep.waiting_for_lock = ep, False
             try:
-                return None if handle.revoked else self._play(handle, completion, row)
+                return self._exclusively(ep, handle, completion, row)
             finally:
-                self._holder = None
-                self._exclusive.release()
+                handle.leave_batcher()
 
         return episode
 
-    def _play(self, handle: PolicyHandle, completion: str, row: dict) -> Any:
-        handle.join_batcher()
-        try:
+    def _exclusively(self, ep: Episode, handle: PolicyHandle, completion: str, row: dict) -> Any:
+        """score_episode, holding the env's lock when it is not thread-safe."""
+        if self._exclusive is None:
             return self.env.score_episode(handle, self.tokenizer, completion, **row)
+        ep.waiting_for_lock = True  # time spent here counts toward the episode's timeout
+        if self._stuck is not None and self._stuck is self._holder:  # it already cost one episode a timeout
+            ep.timed_out = ep.timed_out_waiting = True
+            return None
+        left = ep.started + self.cfg.episode_timeout_s - time.monotonic()
+        if not self._exclusive.acquire(timeout=max(0.0, left)):
+            self._stuck = self._holder
+            ep.timed_out = ep.timed_out_waiting = True
+            return None
+        self._holder, ep.waiting_for_lock = ep, False
+        try:
+            return None if handle.revoked else self.env.score_episode(handle, self.tokenizer, completion, **row)
         finally:
-            handle.leave_batcher()
+            self._holder = None
+            self._exclusive.release()
 
     def _score(self, completions, rows, evaluation: bool) -> tuple[list[float], list[bool], dict[str, float]]:
         episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None)
