@@ -10,6 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+import pytest
 from mlflow.tracking import MlflowClient
 
 from test_crash_safety import SLOW_ENV
@@ -54,10 +56,25 @@ class Server:
             time.sleep(0.3)
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        """The server and every worker it started (uvicorn, huey consumers), for real."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        tree = [self.proc.pid] + [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait()
         while _up(self.url):
             time.sleep(0.1)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path)
+    yield s
+    s.kill()
 
 
 def _train(project: Path, server: Server, *extra: str, output: Path) -> subprocess.Popen:
@@ -90,8 +107,8 @@ def _project(tmp_path: Path) -> Path:
     return project
 
 
-def test_a_server_restart_mid_run_loses_nothing_and_warns_once(tmp_path):
-    project, server = _project(tmp_path), Server(tmp_path)
+def test_a_server_restart_mid_run_loses_nothing_and_warns_once(tmp_path, server):
+    project = _project(tmp_path)
     server.start()
     err = tmp_path / "train.err"
     proc = _train(project, server, "training.max_steps=12", output=err)
@@ -110,8 +127,8 @@ def test_a_server_restart_mid_run_loses_nothing_and_warns_once(tmp_path):
     assert _reward_steps(server) == list(range(1, 13))  # every step, exactly once
 
 
-def test_a_server_down_past_the_grace_period_stops_with_a_checkpoint_then_resumes(tmp_path):
-    project, server = _project(tmp_path), Server(tmp_path)
+def test_a_server_down_past_the_grace_period_stops_with_a_checkpoint_then_resumes(tmp_path, server):
+    project = _project(tmp_path)
     server.start()
     err = tmp_path / "train.err"
     proc = _train(project, server, "training.max_steps=40", "tracking.outage_grace_s=3", output=err)
