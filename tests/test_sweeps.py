@@ -5,8 +5,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -61,6 +64,8 @@ def test_failed_job_is_marked_and_the_sweep_goes_on(tmp_path):
     assert proc.returncode == 1 and "1 job(s) of the sweep failed" in proc.stderr + proc.stdout
     table = (tmp_path / "sweep" / "comparison.txt").read_text()
     assert re.search(r"\+env.fail=False\s*\| FINISHED", table) and re.search(r"\+env.fail=True\s*\| FAILED", table)
+    failed_row = next(line for line in table.splitlines() if "+env.fail=True" in line)
+    assert "boom" in failed_row.rsplit("|", 1)[1]  # the error column: the first line of the run's `error` tag
 
 
 def test_compare_cli_on_an_experiment(tmp_path, capsys):
@@ -147,3 +152,167 @@ def test_ray_launcher_preset_shape_without_the_plugin():
     preset = OmegaConf.load(CONFIG_DIR / "launcher" / "ray.yaml")
     assert {"override /hydra/launcher": "ray"} in list(preset.defaults)
     assert preset.hydra.launcher.ray.remote.num_gpus == 1
+
+
+def _sweep_runs(project: Path):
+    """(client, parent run, child runs) of the one sweep in project/sweep."""
+    client = MlflowClient(f"sqlite:///{project / 'outputs' / 'mlflow.db'}")
+    parent_id = (project / "sweep" / "sweep_parent_run_id").read_text()
+    experiment = client.get_experiment_by_name("grpo_pipeline")
+    return client, client.get_run(parent_id), client.search_runs([experiment.experiment_id],
+                                                                  f"tags.mlflow.parentRunId = '{parent_id}'")
+
+
+def test_jobs_failing_before_their_run_exists_are_failed_child_runs_and_secrets_are_masked(tmp_path):
+    tiny = [o for o in TINY if not o.startswith("training.batch_size")]
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", *tiny, "training.batch_size=6,10",
+                           "+env.api='https://user:s3cret@example.com/v1'", "hydra.sweep.dir=sweep"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "2 job(s) of the sweep failed" in proc.stderr, proc.stderr[-3000:]
+    assert "s3cret" not in proc.stdout + proc.stderr
+    client, parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "FINISHED"
+    assert "s3cret" not in parent.info.run_name + json.dumps(parent.data.tags)
+    assert "+env.api='https://***@example.com/v1'" in parent.info.run_name
+    assert sorted(r.info.run_name for r in children) == ["training.batch_size=10", "training.batch_size=6"]
+    for run in children:
+        size = run.info.run_name.split("=")[1]
+        assert run.info.status == "FAILED" and run.data.tags["sweep_id"] == "sweep"
+        assert f"training.batch_size={size}" in run.data.tags["overrides"]
+        assert "https://***@example.com/v1" in run.data.tags["overrides"] and "s3cret" not in json.dumps(run.data.tags)
+        assert run.data.tags["error"].startswith(f"Invalid config: training.batch_size={size} x gradient_accumulation")
+        assert run.data.params["training.batch_size"] == size and "s3cret" not in json.dumps(run.data.params)
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert "s3cret" not in table and "error" in table.splitlines()[0]
+    for size in ("6", "10"):
+        assert re.search(rf"training.batch_size={size}\s*\| FAILED .*\| Invalid config: training.batch_size={size} x ",
+                         table), table
+    assert not any((tmp_path / "sweep" / str(n) / "mlflow_run_id").exists() for n in (0, 1))
+
+
+SLOW_ENV = """
+import time
+from pathlib import Path
+from datasets import Dataset
+class SlowEnv:
+    thread_safe = False
+    def __init__(self, delay=0.1, block_in_build=False):
+        self.delay, self.block_in_build = delay, block_in_build
+    def build_dataset(self, tokenizer):
+        if self.block_in_build:
+            Path("building").write_text("")
+            time.sleep(300)
+        return Dataset.from_list([{"prompt": f"Count to {i}"} for i in range(64)])
+    def score_episode(self, model, tokenizer, completion):
+        time.sleep(self.delay)
+        return 0.5
+"""
+
+
+def _start_sweep(project: Path, *overrides: str) -> subprocess.Popen:
+    (project / "slow_env.py").write_text(SLOW_ENV)
+    tiny = [o for o in TINY if not o.startswith("env")]
+    out = (project / "stdout.txt").open("w")
+    return subprocess.Popen([sys.executable, "-m", "grpo_pipeline", "-m", *tiny, "env=custom",
+                             "env._target_=slow_env.SlowEnv", "generation.num_generations=2", "training.max_steps=200",
+                             "hydra.sweep.dir=sweep", *overrides], cwd=project, stdout=out, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the sweep ended before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout}s"
+        time.sleep(0.2)
+
+
+def test_sigterm_during_training_stops_the_whole_sweep(tmp_path):
+    proc = _start_sweep(tmp_path, "+env.delay=0.1,0.05,0.01")
+    _wait_until(lambda: "step 1/200" in (tmp_path / "stdout.txt").read_text(), proc, "job 0's first step")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Stopped by signal 15" in err and "no further job starts" in err
+    _, parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "KILLED"
+    assert [(r.info.run_name, r.info.status) for r in children] == [("+env.delay=0.1", "KILLED")]
+    assert (tmp_path / "sweep" / "0" / "checkpoints").is_dir()  # the stopped job saved where it was
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()  # compared at exit, logged to the parent
+    assert re.search(r"\+env.delay=0.1\s*\| KILLED", table) and len(table.splitlines()) == 3
+    assert not (tmp_path / "sweep" / "1").exists() and not (tmp_path / "sweep" / "2").exists()
+
+
+def test_sigint_before_training_stops_the_whole_sweep(tmp_path):
+    proc = _start_sweep(tmp_path, "+env.block_in_build=true", "+env.delay=0.1,0.05,0.01")
+    _wait_until(lambda: (tmp_path / "building").exists(), proc, "job 0 building its dataset")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "Stopped by signal 2 (SIGINT)." in err and "no further job starts" in err and "Traceback" not in err
+    assert len((tmp_path / "sweep" / "comparison.txt").read_text().splitlines()) == 2  # header only
+    _, parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "KILLED" and children == []  # job 0 had no run yet; job 1 and 2 never started
+    assert not (tmp_path / "sweep" / "1").exists() and not (tmp_path / "sweep" / "2").exists()
+
+
+needs_optuna = pytest.mark.skipif(importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is None,
+                                  reason="hydra-optuna-sweeper not installed (pip install '.[sweep]')")
+FLAKY_ENV = (
+    "from datasets import Dataset\n"
+    "class Flaky:\n"
+    "    def __init__(self, fail=False):\n        self.fail = fail\n"
+    "    def build_dataset(self, tokenizer):\n        return Dataset.from_list([{'prompt': 'x'}] * 8)\n"
+    "    def score_episode(self, model, tokenizer, completion):\n"
+    "        if self.fail:\n            raise RuntimeError('boom')\n        return 0.5\n")
+
+
+@needs_optuna
+def test_optuna_study_goes_on_after_a_failed_trial(tmp_path):
+    (tmp_path / "flaky.py").write_text(FLAKY_ENV)
+    tiny = [o for o in TINY if not o.startswith("env")]
+    # TPE with seed 0 starts with random trials: fail=False, True, False.
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", "hydra/sweeper=optuna", *tiny, "env=custom",
+                           "env._target_=flaky.Flaky", "+env.fail=choice(true,false)", "runtime.on_error=raise",
+                           "generation.num_generations=2", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=0",
+                           "hydra.sweeper.direction=maximize", "hydra.sweep.dir=sweep"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "1 job(s) of the sweep failed" in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "sweep" / "optimization_results.yaml").exists()  # the study ran to its end
+    _, parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "FINISHED"
+    assert sorted((r.info.run_name, r.info.status) for r in children) == [
+        ("+env.fail=False", "FINISHED"), ("+env.fail=False", "FINISHED"), ("+env.fail=True", "FAILED")]
+    assert "boom" in next(r for r in children if r.info.status == "FAILED").data.tags["error"]
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert re.search(r"\+env.fail=True\s*\| FAILED .*boom", table), table
+
+
+@needs_optuna
+def test_optuna_study_where_every_trial_fails_closes_the_parent(tmp_path):
+    tiny = [o for o in TINY if not o.startswith("training.batch_size")]
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", "hydra/sweeper=optuna", *tiny,
+                           "training.batch_size=choice(6,10)", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                           "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    _, parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "FAILED"  # the sweeper raised (no completed trial), not left RUNNING
+    assert len(children) == 2 and all(r.info.status == "FAILED" for r in children)
+    assert (tmp_path / "sweep" / "comparison.txt").read_text().count("| FAILED ") == 2
+
+
+def test_error_line():
+    from grpo_pipeline.sweep import error_line
+
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        import traceback
+
+        embedded = "".join(traceback.format_exception(e)).rstrip()
+    assert error_line(RuntimeError(f"Env.score_episode raised:\n{embedded}\nrow: {{}}")) == \
+        "Env.score_episode raised: RuntimeError: boom"
+    assert error_line(ValueError("Invalid config:\n  - training.batch_size=6 x 1\n  - b")) == \
+        "Invalid config: training.batch_size=6 x 1"
+    assert error_line(KeyError()) == "KeyError"
+    assert error_line(OSError("https://user:pw@host/x unreachable\nmore")) == "https://***@host/x unreachable"

@@ -33,11 +33,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if name and not cfg.tracking.run_name:
             cfg.tracking.run_name = name
         result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides, tags=tags)
-    except Exception as e:
-        if hydra_cfg.mode == RunMode.MULTIRUN:  # the job's MLflow run is FAILED; the sweep goes on
-            logging.getLogger("grpo_pipeline").error("Job %s failed: %s", hydra_cfg.job.num, e,
-                                                     exc_info=bool(os.environ.get("GRPO_PIPELINE_TRACEBACK")))
-            return None
+    except (Exception, KeyboardInterrupt) as e:
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # a FAILED child run and the sweep goes on; a signal stops it
+            from grpo_pipeline.sweep import job_failed
+
+            return job_failed(cfg, e)
         if not isinstance(e, PipelineError) or os.environ.get("GRPO_PIPELINE_TRACEBACK"):
             raise
         print(f"\nERROR: {e}", file=sys.stderr)

@@ -4,15 +4,17 @@
         [--tracking-uri sqlite:///outputs/mlflow.db]
 
 Given a sweep's parent run id, it compares that sweep's jobs; given an experiment name, all its runs.
+A failed run shows the first line of its `error` tag. URL credentials are masked in the table and plot.
 """
 
 import argparse
 import math
 from pathlib import Path
 
+from grpo_pipeline.redact import mask_credentials
 from grpo_pipeline.tracking import default_tracking_uri
 
-COLUMNS = ("run", "status", "final reward", "held-out after", "kl", "wall s")
+COLUMNS = ("run", "status", "final reward", "held-out after", "kl", "wall s", "error")
 
 
 def collect(client, target: str) -> tuple[list, str | None]:
@@ -44,6 +46,7 @@ def rows(runs, metric: str) -> list[dict]:
             "held-out after": m.get("eval_after/mean_reward"),
             "kl": m.get("kl"),
             "wall s": (end - r.info.start_time) / 1000 if end else None,
+            "error": (r.data.tags.get("error") or "").strip().split("\n")[0] or None,
             "sort": m.get(metric),
         })
     return sorted(out, key=lambda x: (x["sort"] is None or x["status"] != "FINISHED",
@@ -54,11 +57,12 @@ def table(items: list[dict]) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
-    cells = [[fmt(item[c]) for c in COLUMNS] for item in items]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
+    cells = [[mask_credentials(fmt(item[c])) for c in COLUMNS] for item in items]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(COLUMNS)]
+    widths[-1] = len(COLUMNS[-1])  # the error, last and unpadded: one long message must not widen every row
     lines = [" | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)),
              "-+-".join("-" * w for w in widths)]
-    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
     return "\n".join(lines)
 
 
@@ -72,18 +76,19 @@ def plot(client, items: list[dict], path: Path) -> None:
     for item in items:
         history = sorted(client.get_metric_history(item["run_id"], "reward"), key=lambda m: m.step)
         if history:
-            ax.plot([m.step for m in history], [m.value for m in history], label=item["run"][:50])
+            ax.plot([m.step for m in history], [m.value for m in history], label=mask_credentials(item["run"])[:50])
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    if ax.lines:
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def compare(client, target: str, metric: str = "reward", out_dir: Path | None = None) -> tuple[str, Path]:
-    """Print-ready table and the PNG path; both are logged to the sweep's parent run when there is one."""
+def compare(client, target: str, metric: str = "reward", out_dir: Path | None = None) -> tuple[str, Path, list[dict]]:
+    """Print-ready table, the PNG path and the rows; table and PNG are logged to the sweep's parent run."""
     runs, parent = collect(client, target)
     items = rows(runs, metric)
     text = table(items)
@@ -95,7 +100,7 @@ def compare(client, target: str, metric: str = "reward", out_dir: Path | None = 
     if parent:
         client.log_artifact(parent, str(png))
         client.log_artifact(parent, str(out_dir / "comparison.txt"))
-    return text, png
+    return text, png, items
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tracking-uri", default=None, help="default: sqlite:///outputs/mlflow.db")
     args = parser.parse_args(argv)
     client = MlflowClient(args.tracking_uri or default_tracking_uri("."))
-    text, png = compare(client, args.target, args.metric, Path(args.out))
+    text, png, _ = compare(client, args.target, args.metric, Path(args.out))
     print(text)
     print(f"\nreward curves: {png}")
 
