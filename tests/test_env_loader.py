@@ -346,8 +346,6 @@ def test_local_datasets_py_does_not_shadow_the_package_console_script(tmp_path):
     assert proc.returncode == 2 and "needs dataset column(s) ['answer']" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="`python -m` puts the launch dir at sys.path[0] at startup; needs the line "
-                                       "that drops it at the top of grpo_pipeline/__main__.py (remove this mark then)")
 def test_local_datasets_py_does_not_shadow_the_package_python_m(tmp_path):
     import sys
 

@@ -4,9 +4,13 @@ A PipelineError (bad config, broken env) ends the job with its one-paragraph mes
 set GRPO_PIPELINE_TRACEBACK=1 to see the Python traceback too.
 """
 
-import logging
 import os
 import sys
+
+if __name__ == "__main__" and sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]  # `python -m` put the launch dir first; the env loader adds it only while importing the env
+
+import logging
 import warnings
 
 import hydra
@@ -17,21 +21,26 @@ from omegaconf import DictConfig
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.errors import PipelineError
+from grpo_pipeline.redact import mask_credentials, redact_hydra_files, redact_log_records
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
-    from grpo_pipeline.recipe import train
+    from grpo_pipeline.config.validate import check_config
     from grpo_pipeline.sweep import sweep_job
 
     hydra_cfg = HydraConfig.get()
+    redact_hydra_files(hydra_cfg)
     overrides = list(hydra_cfg.overrides.task)
     try:
         tags, name = sweep_job(hydra_cfg.sweep.dir, overrides) if hydra_cfg.mode == RunMode.MULTIRUN else (None, None)
         if name and not cfg.tracking.run_name:
             cfg.tracking.run_name = name
+        check_config(cfg)  # a config error is reported in seconds, before torch and transformers load
+        from grpo_pipeline.recipe import train
+
         result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides, tags=tags)
     except (Exception, KeyboardInterrupt) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:  # a FAILED child run and the sweep goes on; a signal stops it
@@ -40,7 +49,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             return job_failed(cfg, e)
         if not isinstance(e, PipelineError) or os.environ.get("GRPO_PIPELINE_TRACEBACK"):
             raise
-        print(f"\nERROR: {e}", file=sys.stderr)
+        print(f"\nERROR: {mask_credentials(str(e))}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
     print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")
     # The value a sweeper (e.g. Optuna) maximises.
@@ -55,6 +64,7 @@ def main() -> None:
 
         translate_main(sys.argv[2:])
         return
+    redact_log_records()  # before Hydra logs the overrides (e.g. a multirun's job list)
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' v6 renames flood the console
     _hydra_main()

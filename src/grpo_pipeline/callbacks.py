@@ -46,13 +46,18 @@ class RunLogger(ProgressCallback):
         (self.training_bar.write if self.training_bar is not None else print)(" | ".join(parts))
 
 
-class StopControl(TrainerCallback):
-    """Finish the current step, save a checkpoint, stop: on SIGINT/SIGTERM, or when tracking gave up."""
+EARLY_STOP, TRACKING_FAILED = 1, 100  # stop codes besides signal numbers; the highest wins across ranks
 
-    def __init__(self, tracker: Tracker | None = None):
-        self.tracker = tracker
+
+class StopControl(TrainerCallback):
+    """Finish the current step, save a checkpoint, stop: on SIGINT/SIGTERM or when tracking gave up (an
+    error stop), or when validation asks for an early stop (a normal end)."""
+
+    def __init__(self, tracker: Tracker | None = None, validation=None):
+        self.tracker, self.validation = tracker, validation
         self.signum: int | None = None
-        self.reason: str | None = None  # why training stopped early, if it did
+        self.reason: str | None = None  # why training stopped with an error, if it did
+        self.stopped_early = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -73,16 +78,21 @@ class StopControl(TrainerCallback):
         self.signum = signum
 
     def on_step_end(self, args, state, control, **kwargs):
-        # 0: go on; 1: tracking gave up; 2: SIGINT (=2)... the signal number otherwise. Max over ranks.
-        code = self.signum or (1 if self.tracker is not None and self.tracker.failed else 0)
+        code = self.signum or 0
+        if self.tracker is not None and self.tracker.failed:
+            code = TRACKING_FAILED
+        elif not code and self.validation is not None and self.validation.stop_requested:
+            code = EARLY_STOP
         code = _max_over_ranks(code, args.device)
+        if code == TRACKING_FAILED:
+            self.reason = (self.tracker.failed if self.tracker is not None and self.tracker.failed
+                           else "tracking failed on the main process")
+        elif code == EARLY_STOP:
+            self.stopped_early = True
+        elif code and self.signum is None:
+            self.signum = code  # another rank got the signal
         if code:
-            if self.signum is None and code > 1:
-                self.signum = code  # another rank got the signal
-            if code == 1:
-                self.reason = self.tracker.failed if self.tracker is not None and self.tracker.failed else \
-                    "tracking failed on the main process"
-            control.should_save = True
+            control.should_save = code != EARLY_STOP or args.save_strategy != "no"
             control.should_training_stop = True
         return control
 

@@ -67,7 +67,7 @@ def run_check(cfg: DictConfig) -> Report:
     r.lines.append(f"generated {len(completions)} completions ({len(rows)} prompts x {group}) "
                    f"in {time.monotonic() - started:.1f}s")
 
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sampling)
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
     episodes = runner.run_episodes(completions, row_dicts)

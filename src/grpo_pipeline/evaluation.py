@@ -1,24 +1,98 @@
 """Held-out evaluation, usable with any env: greedy completions for prompts never trained on, scored by
-the env runtime exactly as in training. Reports mean reward and success rate (share of full scores)."""
+the env runtime exactly as in training. Reports mean reward and success rate (share of full scores).
 
+The split is by unique prompt, not by row: rows with the same prompt (or, when the env names columns in
+`heldout_group_by`, the same value there) stay on one side, so no held-out prompt is ever trained on.
+"""
+
+import json
+import logging
 import statistics
+from dataclasses import dataclass
 
 import torch
 from datasets import Dataset
 
+from grpo_pipeline.config.schema import EvalConfig
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import render_prompt
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 
+log = logging.getLogger(__name__)
+AUTO_SHARE, AUTO_MAX_TEST, AUTO_MAX_VAL, MIN_SET = 0.1, 50, 32, 5
 
-def split_heldout(dataset: Dataset, num_prompts: int, seed: int) -> tuple[Dataset, Dataset]:
-    if num_prompts >= len(dataset):
-        raise ConfigError(
-            f"eval.num_prompts={num_prompts} leaves nothing to train on: the env's dataset has {len(dataset)} rows. "
-            "Lower eval.num_prompts or raise the env's dataset size."
-        )
-    split = dataset.train_test_split(test_size=num_prompts, seed=seed, shuffle=True)
-    return split["train"], split["test"]
+
+@dataclass
+class Split:
+    train: Dataset
+    test: Dataset | None  # scored before and after training
+    val: Dataset | None  # scored during training; picks the best model
+
+
+def prompt_groups(dataset: Dataset, group_by: list[str]) -> list[list[int]]:
+    """Row indices grouped so that rows sharing a prompt, or a value of a `group_by` column, are together."""
+    parent = list(range(len(dataset)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    first: dict = {}
+    for column in ["prompt", *group_by]:
+        for i, value in enumerate(dataset[column]):
+            key = (column, json.dumps(value, sort_keys=True, default=str))
+            if key in first:
+                parent[find(i)] = find(first[key])
+            else:
+                first[key] = i
+    groups: dict[int, list[int]] = {}
+    for i in range(len(dataset)):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+def _size(asked: int | None, groups: int, cap: int) -> int:
+    if asked is not None:
+        return asked
+    n = min(cap, int(groups * AUTO_SHARE))
+    return n if n >= MIN_SET else 0
+
+
+def split_heldout(dataset: Dataset, cfg: EvalConfig, env_name: str, group_by: list[str] | None = None) -> Split:
+    """Test / validation / training sets of unique prompts (seed `cfg.split_seed`)."""
+    for column in group_by or []:
+        if column not in dataset.column_names:
+            raise ConfigError(f"{env_name}.heldout_group_by names column {column!r}, which its dataset lacks "
+                              f"(columns: {dataset.column_names}).")
+    groups = prompt_groups(dataset, group_by or [])
+    n_test = _size(cfg.num_prompts, len(groups), AUTO_MAX_TEST)
+    # an explicit val_prompts is held out even without validation, so both runs train on the same prompts
+    n_val = _size(cfg.val_prompts, len(groups), AUTO_MAX_VAL) if cfg.every_steps > 0 or cfg.val_prompts else 0
+    if n_test + n_val >= len(groups):
+        asked = [f"eval.{k}={v}" for k, v in (("num_prompts", cfg.num_prompts), ("val_prompts", cfg.val_prompts))
+                 if v is not None]
+        raise ConfigError(f"{' and '.join(asked)} leave(s) nothing to train on: {env_name}'s dataset has "
+                          f"{len(groups)} unique prompts. Lower them, or leave them null to size them from the data.")
+    auto_test, auto_val = cfg.num_prompts is None, cfg.every_steps > 0 and cfg.val_prompts is None
+    if (auto_test and n_test < AUTO_MAX_TEST) or (auto_val and n_val < AUTO_MAX_VAL):  # the data limited them
+        if n_test == 0 and n_val == 0:
+            log.warning("eval: %s's dataset has %d unique prompts; a %d%% held-out set would have fewer than %d, "
+                        "so none is held out and held-out evaluation is off. Set eval.num_prompts=N to hold out N.",
+                        env_name, len(groups), int(AUTO_SHARE * 100), MIN_SET)
+        else:
+            log.warning("eval: held out %d test and %d validation prompts of %d unique ones (10%% each, at most %d "
+                        "and %d; set eval.num_prompts / eval.val_prompts to choose).", n_test, n_val, len(groups),
+                        AUTO_MAX_TEST, AUTO_MAX_VAL)
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(cfg.split_seed)).tolist()
+    test_groups, val_groups = order[:n_test], order[n_test : n_test + n_val]
+    train_rows = sorted(i for g in order[n_test + n_val :] for i in groups[g])
+
+    def one_row_each(chosen):  # a held-out prompt counts once, however many rows repeat it
+        return dataset.select([groups[g][0] for g in chosen]) if chosen else None
+
+    return Split(dataset.select(train_rows), one_row_each(test_groups), one_row_each(val_groups))
 
 
 def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int,
@@ -47,12 +121,40 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
 
 
 def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int) -> dict:
-    completions = generate(model, tokenizer, dataset["prompt"], max_new_tokens, batch_size)
-    rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
-    scores, _ = runner.score(completions, rows)
+    """Greedy episodes over `dataset`; the RNG states are left as they were, so evaluating does not change
+    the training trajectory of a seeded run."""
+    with preserved_rng():
+        completions = generate(model, tokenizer, dataset["prompt"], max_new_tokens, batch_size)
+        rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
+        scores, metrics = runner.score(completions, rows, evaluation=True)
     return {
         "mean_reward": statistics.fmean(scores),
         "success_rate": sum(s >= 1.0 for s in scores) / len(scores),
         "num_prompts": len(scores),
+        "failures": int(metrics.get("eval/failures", 0)),
         "samples": [{"completion": c, "score": s} for c, s in list(zip(completions, scores, strict=True))[:5]],
     }
+
+
+class preserved_rng:
+    """Restore torch's, Python's and NumPy's RNG states on exit."""
+
+    def __enter__(self):
+        import random
+
+        import numpy as np
+
+        self._states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc):
+        import random
+
+        import numpy as np
+
+        torch.set_rng_state(self._states[0])
+        random.setstate(self._states[1])
+        np.random.set_state(self._states[2])
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)
+        return False

@@ -3,7 +3,10 @@
 from pathlib import Path
 
 
-def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = None, eval_after: dict | None = None):
+def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = None, eval_after: dict | None = None,
+                 validation: list | None = None, best_step: int | None = None):
+    """Train mean reward per logging step (+ moving average), the validation curve with its best step, and the
+    held-out test score before and after."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,10 +20,17 @@ def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = No
         smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, label=f"moving average ({window})")
-    for ev, name, x in ((eval_before, "held-out before", 1), (eval_after, "held-out after", len(rewards))):
+    if validation:
+        ax.plot([s for s, _ in validation], [v for _, v in validation], marker="o", color="tab:green",
+                label="validation mean reward")
+        best = [v for s, v in validation if s == best_step]
+        if best:
+            ax.scatter([best_step], best, s=120, facecolors="none", edgecolors="tab:green", linewidths=2, zorder=4,
+                       label=f"best validation: step {best_step} (model/)")
+    for ev, name, x in ((eval_before, "test before", 0), (eval_after, "test after (model/)", len(rewards))):
         if ev:
             ax.scatter([x], [ev["mean_reward"]], s=80, marker="*", zorder=3, label=f"{name}: {ev['mean_reward']:.2f}")
-    ax.set_xlabel("logging step")
+    ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

@@ -141,10 +141,21 @@ class RuntimeConfig:
 
 @dataclass
 class EvalConfig:
-    # Held-out prompts (split off the env's dataset, never trained on) scored before and after training.
+    # Held-out evaluation. Unique prompts of the env's dataset are split three ways: a test set (scored only
+    # before and after training: the number to report), a validation set (scored every `every_steps` during
+    # training; it picks the best model) and the rest, which is trained on. No prompt is on two sides.
     enabled: bool = False
-    num_prompts: int = 50
-    # The held-out split's seed: fixed, so runs with different training seeds share one held-out set.
+    # Test prompts. null: 10% of the unique prompts, at most 50; a set under 5 prompts is not held out.
+    num_prompts: int | None = None
+    # Validation prompts. null: 10% of the unique prompts, at most 32, held out only with every_steps > 0.
+    val_prompts: int | None = None
+    # Score the validation set every N training steps (0: never).
+    every_steps: int = 0
+    # With every_steps > 0: model/ holds the weights of the best validation step, model-last/ the last ones.
+    keep_best: bool = True
+    # Stop training after this many validations without improvement (0: never stop early).
+    early_stop_patience: int = 0
+    # The split's seed: fixed, so runs with different training seeds share one held-out set.
     split_seed: int = 0
     batch_size: int = 16
     # null: generation.max_new_tokens.

@@ -4,8 +4,6 @@ once, each naming the key, the value and the fix; nothing here loads weights."""
 import importlib.util
 import os
 
-import torch
-
 from grpo_pipeline.config.schema import TrainConfig
 from grpo_pipeline.errors import ConfigError
 
@@ -85,8 +83,16 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if run.failure_window < 1:
         p.append(f"runtime.failure_window={run.failure_window}: must be >= 1 (episodes).")
 
-    if cfg.eval.enabled and (cfg.eval.num_prompts < 1 or cfg.eval.batch_size < 1):
-        p.append("eval.num_prompts and eval.batch_size must be >= 1 when eval.enabled=true.")
+    ev = cfg.eval
+    if ev.enabled:
+        for key in ("num_prompts", "val_prompts"):
+            if getattr(ev, key) is not None and getattr(ev, key) < 1:
+                p.append(f"eval.{key}={getattr(ev, key)}: must be >= 1 (or null: chosen from the dataset's size).")
+        if ev.batch_size < 1 or ev.every_steps < 0 or ev.early_stop_patience < 0:
+            p.append("eval.batch_size must be >= 1, eval.every_steps and eval.early_stop_patience >= 0.")
+        if ev.early_stop_patience and not ev.every_steps:
+            p.append(f"eval.early_stop_patience={ev.early_stop_patience} needs validation during training: "
+                     "set eval.every_steps > 0.")
     if cfg.reward.env_weight < 0:
         p.append(f"reward.env_weight={cfg.reward.env_weight}: must be >= 0.")
     if cfg.reward.env_weight == 0 and not cfg.reward.components:
@@ -102,6 +108,8 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
         return [f"vllm.mode={vllm.mode!r}: use one of {VLLM_MODES}."]
     if vllm.mode == "off":
         return []
+    import torch  # here, not at the top: a config error must print before torch loads
+
     p = []
     if not torch.cuda.is_available():
         p.append(f"vllm={vllm.mode} needs a GPU and none is visible; use vllm=off on this machine.")

@@ -1,0 +1,82 @@
+"""What a run leaves behind: its result (summary.json), the reward plot, and its name and description in MLflow."""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_pipeline.redact import mask_credentials
+from grpo_pipeline.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_dir: str
+    model_path: str | None
+    num_samples: int
+    num_epochs: float
+    steps: int
+    first_reward: float | None
+    last_reward: float | None
+    average_reward: float | None
+    eval_before: dict | None  # test set, before training
+    eval_after: dict | None  # test set, after training: the weights in model_path (the best validation step's)
+    mlflow_run_id: str | None
+    wall_time_s: float
+    train_seconds: float
+    rewards: list[float]
+    best_step: int | None = None  # the validation step whose weights are in model/
+    best_val: float | None = None  # its validation mean reward
+    last_step: int | None = None
+    last_val: float | None = None  # the last validation's mean reward (weights in model-last/)
+    validation: list | None = None  # [(step, validation mean reward), ...]
+    stopped_early: bool = False
+    eval_seconds: float = 0.0  # time spent on validation during training
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
+
+
+def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool = False) -> None:
+    log.warning("%s: mean reward %.3f, success rate %.3f over %d held-out prompts%s",
+                prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"],
+                f" ({metrics['failures']} failed)" if metrics.get("failures") else "")
+    values = {f"{prefix}/mean_reward": metrics["mean_reward"], f"{prefix}/success_rate": metrics["success_rate"],
+              f"{prefix}/failures": float(metrics.get("failures", 0))}
+    (tracker.log_now if now else tracker.log_metrics)(values, step=step)
+
+
+def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
+    from grpo_pipeline.plots import plot_rewards
+
+    (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+    if result.rewards:
+        plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after,
+                     result.validation, result.best_step)
+    if result.best_step is not None:
+        tracker.set_tag("best_step", str(result.best_step))
+        tracker.log_metrics({"best/val_mean_reward": result.best_val, "best/step": float(result.best_step),
+                             "last/val_mean_reward": result.last_val}, step=result.steps)
+    for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
+        tracker.log_artifact(run_dir / name)
+
+
+def description(cfg, env_name: str, overrides: list[str] | None) -> str:
+    """The run's description in the MLflow UI: what was trained, on what, how."""
+    adapter = f"LoRA r={cfg.lora.r}" if cfg.lora.enabled else "full fine-tuning"
+    steps = f"{cfg.training.max_steps} steps" if cfg.training.max_steps > 0 else f"{cfg.training.num_epochs:g} epochs"
+    text = (f"GRPO ({cfg.loss.loss_type}, kl_coef {cfg.loss.kl_coef:g}) of {cfg.model.name} on {env_name}: {adapter}, "
+            f"{steps}, lr {cfg.training.learning_rate:g}, {cfg.generation.num_generations} completions per prompt, "
+            f"{cfg.training.batch_size} per step, up to {cfg.generation.max_new_tokens} new tokens, seed {cfg.seed}.")
+    if overrides:
+        text += "\n\nOverrides: " + " ".join(overrides)
+    return mask_credentials(text)
+
+
+def run_name(cfg, env_name: str, overrides: list[str] | None) -> str:
+    if overrides:
+        return ",".join(overrides)[:200]
+    return f"{cfg.model.name}-{env_name}-{cfg.loss.loss_type}"

@@ -1,0 +1,108 @@
+"""Validation during training: score the validation prompts every `eval.every_steps`, keep the best weights,
+optionally stop early.
+
+- The scores go into the Trainer's log history (so a checkpoint carries them, like TRL's metrics) and to
+  MLflow as `eval_val/mean_reward` and `eval_val/success_rate`.
+- On a new best (highest validation mean reward) the trainable weights (the LoRA adapter, or every weight
+  without LoRA) are written to `<run dir>/best/step-<N>.safetensors`; at the end the recipe saves them as
+  `model/` and the last weights as `model-last/`.
+- Evaluating never changes the training trajectory: generation is greedy and the RNG states are restored.
+- Resume: the best step, its score and the patience counter are stored in every checkpoint's
+  trainer_state.json and restored from it.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.trainer_callback import ExportableState, TrainerCallback
+
+log = logging.getLogger(__name__)
+PREFIX = "eval_val"
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to("cpu", copy=True).contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+class Validation(TrainerCallback, ExportableState):
+    def __init__(self, evaluate: Callable[[], dict], every_steps: int, patience: int, best_dir: Path | None,
+                 policy, tracker=None):
+        self.evaluate, self.every_steps, self.patience = evaluate, every_steps, patience
+        self.best_dir, self.policy, self.tracker = best_dir, policy, tracker
+        self.best_step: int | None = None
+        self.best_score: float | None = None
+        self.last_step: int | None = None
+        self.last_score: float | None = None
+        self.without_improvement = 0
+        self.stop_requested = False
+        self.history: list[tuple[int, float]] = []
+        self.seconds = 0.0  # spent validating
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {k: getattr(self, k) for k in
+                                           ("best_step", "best_score", "last_step", "last_score",
+                                            "without_improvement", "history", "seconds")}}
+
+    def restore(self, stored: dict | None) -> None:
+        for key, value in ((stored or {}).get("attributes") or {}).items():
+            setattr(self, key, [tuple(x) for x in value] if key == "history" else value)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step % self.every_steps and step != state.max_steps:
+            return control
+        started = time.monotonic()
+        metrics = self.evaluate()
+        self.seconds += time.monotonic() - started
+        score = metrics["mean_reward"]
+        self.last_step, self.last_score = step, score
+        self.history.append((step, score))
+        values = {f"{PREFIX}/mean_reward": score, f"{PREFIX}/success_rate": metrics["success_rate"]}
+        state.log_history.append({**values, "step": step})
+        if self.tracker is not None:
+            self.tracker.log_metrics(values, step=step)
+        if self.best_score is None or score > self.best_score:
+            self.best_step, self.best_score, self.without_improvement = step, score, 0
+            self._save_best(step)
+        else:
+            self.without_improvement += 1
+            if self.patience and self.without_improvement >= self.patience:
+                log.warning("validation: no improvement over %.3f (step %d) for %d evaluations: stopping early.",
+                            self.best_score, self.best_step, self.without_improvement)
+                self.stop_requested = True
+        return control
+
+    def _save_best(self, step: int) -> None:
+        if self.best_dir is None:
+            return
+        self.best_dir.mkdir(parents=True, exist_ok=True)
+        path = self.best_dir / f"step-{step}.safetensors"
+        save_file(trainable_state(self.policy), str(path.with_suffix(".tmp")))
+        path.with_suffix(".tmp").replace(path)  # a kill never leaves a half-written best
+
+    def restore_best(self) -> bool:
+        """Load the best step's weights into the policy; False when there are none to load."""
+        if self.best_dir is None or self.best_step is None:
+            return False
+        path = self.best_dir / f"step-{self.best_step}.safetensors"
+        if not path.exists():
+            log.error("validation: the best weights (step %d) are missing from %s; keeping the last weights.",
+                      self.best_step, self.best_dir)
+            return False
+        tensors = load_file(str(path))
+        missing = set(trainable_state(self.policy)) - set(tensors)
+        if missing:
+            raise RuntimeError(f"{path} lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}")
+        self.policy.load_state_dict(tensors, strict=False)
+        return True
+
+    def prune(self) -> None:
+        """Keep only the best step's weights file."""
+        if self.best_dir is not None and self.best_dir.is_dir():
+            for path in self.best_dir.glob("step-*.safetensors"):
+                if path.name != f"step-{self.best_step}.safetensors":
+                    path.unlink()

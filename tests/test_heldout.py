@@ -1,0 +1,143 @@
+"""Honest held-out sets (split by unique prompt, sized to the data) and validation during training: the best
+step's weights are what model/ holds, evaluation does not change a seeded run's trajectory, early stop."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+import grpo_pipeline.recipe as recipe
+from conftest import tiny_overrides
+from grpo_pipeline.config.schema import EvalConfig
+from grpo_pipeline.envs.arithmetic import ArithmeticEnv
+from grpo_pipeline.envs.hotel import HotelEnv
+from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.evaluation import split_heldout
+from grpo_pipeline.models import build_tiny_tokenizer
+from grpo_pipeline.validation import trainable_state
+
+
+def _prompts(ds) -> set[str]:
+    return {json.dumps(p, sort_keys=True) for p in ds["prompt"]} if ds is not None else set()
+
+
+@pytest.mark.parametrize("env", [ArithmeticEnv(), HotelEnv(), ArithmeticEnv(num_samples=150, max_value=19)],
+                         ids=["arithmetic", "hotel", "arithmetic-with-repeats"])
+def test_no_held_out_prompt_is_trained_on_for_every_shipped_env(env):
+    dataset = env.build_dataset(build_tiny_tokenizer())
+    split = split_heldout(dataset, EvalConfig(enabled=True, every_steps=5), type(env).__name__)
+    train, val, test = _prompts(split.train), _prompts(split.val), _prompts(split.test)
+    assert test and val and train
+    assert not (train & test) and not (train & val) and not (val & test)
+    assert len(split.test) == len(test) and len(split.val) == len(val)  # each held-out prompt once
+    assert len(train | val | test) == len(_prompts(dataset))  # nothing lost
+
+
+def test_rows_sharing_a_named_column_stay_on_one_side():
+    rows = [{"prompt": f"Q{i}", "template": i % 7} for i in range(140)]
+    split = split_heldout(Dataset.from_list(rows), EvalConfig(enabled=True, num_prompts=1), "Env", ["template"])
+    held = set(split.test["template"])
+    assert len(held) == 1 and not held & set(split.train["template"])
+
+
+def test_a_tiny_env_gets_no_held_out_set_and_says_so(caplog):
+    dataset = Dataset.from_list([{"prompt": f"Say {i}"} for i in range(4)])
+    with caplog.at_level(logging.WARNING):
+        split = split_heldout(dataset, EvalConfig(enabled=True), "TinyEnv")
+    assert split.test is None and split.val is None and len(split.train) == 4
+    assert "TinyEnv's dataset has 4 unique prompts" in caplog.text and "eval.num_prompts=N" in caplog.text
+
+
+def test_an_explicit_size_that_leaves_nothing_to_train_is_an_error():
+    dataset = Dataset.from_list([{"prompt": f"Say {i % 3}"} for i in range(30)])  # 3 unique prompts
+    with pytest.raises(ConfigError, match=r"eval.num_prompts=3 leave\(s\) nothing to train on: .* 3 unique prompts"):
+        split_heldout(dataset, EvalConfig(enabled=True, num_prompts=3), "Env")
+
+
+def test_a_first_run_on_a_four_row_env_trains(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "four.py").write_text(
+        "from datasets import Dataset\nclass Four:\n    def build_dataset(self, tokenizer):\n"
+        "        return Dataset.from_list([{'prompt': f'Say {i}'} for i in range(4)])\n"
+        "    def score_episode(self, model, tokenizer, completion):\n        return 0.5\n")
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=four.Four"]), "eval.enabled=true"])
+    result = recipe.train(cfg, launch_dir=str(tmp_path))
+    assert result.steps == 2 and result.eval_before is None and result.num_samples == 4
+
+
+class ScriptedValidation:
+    """Replaces evaluate(): scripted validation scores, and a copy of the weights at each validation."""
+
+    def __init__(self, scores):
+        self.scores, self.weights, self.real = list(scores), [], recipe.evaluate
+
+    def __call__(self, model, tokenizer, runner, dataset, *args):
+        result = self.real(model, tokenizer, runner, dataset, *args)
+        if len(dataset) == 5:  # the validation set (val_prompts=5); the test set has 4
+            self.weights.append(trainable_state(model))
+            result["mean_reward"] = self.scores.pop(0)
+        return result
+
+
+class VariedEnv:
+    """Scores that vary within a group, so every step moves the weights."""
+
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"Count to {i}"} for i in range(60)])
+
+    def score_episode(self, model, tokenizer, completion):
+        return (len(completion) % 7) / 6
+
+
+def _validated(tmp_path, *extra):
+    return [*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "eval.enabled=true", "eval.num_prompts=4",
+            "eval.val_prompts=5", "eval.every_steps=1", "training.max_steps=3", "training.learning_rate=0.05",
+            "loss=grpo", *extra]  # not dapo: it masks the truncated completions, which are all of the tiny model's
+
+
+def test_model_holds_the_best_validation_steps_weights_and_model_last_the_last(compose_cfg, tmp_path, monkeypatch):
+    scripted = ScriptedValidation([0.1, 0.6, 0.3])
+    monkeypatch.setattr(recipe, "evaluate", scripted)
+    result = recipe.train(compose_cfg(_validated(tmp_path)), launch_dir=str(tmp_path), env=VariedEnv())
+
+    assert (result.best_step, result.best_val, result.last_step, result.last_val) == (2, 0.6, 3, 0.3)
+    best, last = scripted.weights[1], scripted.weights[2]
+    saved = load_file(str(Path(result.model_path) / "adapter_model.safetensors"))
+    saved_last = load_file(str(tmp_path / "run" / "model-last" / "adapter_model.safetensors"))
+    assert len(saved) == len(best) > 0
+
+    def same(saved_tensors, reference):  # PEFT drops the adapter name from the saved keys
+        return all(torch.equal(saved_tensors[k.replace(".default", "")], v) for k, v in reference.items())
+
+    assert same(saved, best) and not same(saved, last) and same(saved_last, last)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["best_step"] == 2 and summary["validation"] == [[1, 0.1], [2, 0.6], [3, 0.3]]
+    assert list((tmp_path / "run" / "best").iterdir()) == [tmp_path / "run" / "best" / "step-2.safetensors"]
+
+
+def test_early_stop_after_patience_validations_without_improvement(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe, "evaluate", ScriptedValidation([0.5, 0.4, 0.3, 0.2, 0.1, 0.0]))
+    result = recipe.train(compose_cfg(_validated(tmp_path, "training.max_steps=6", "eval.early_stop_patience=2")),
+                          launch_dir=str(tmp_path), env=VariedEnv())
+    assert result.steps == 3 and result.stopped_early and result.best_step == 1
+
+
+def test_validation_does_not_change_the_training_trajectory(compose_cfg, tmp_path):
+    curves = []
+    for every in (0, 1):
+        out = tmp_path / f"every{every}"
+        cfg = compose_cfg([*tiny_overrides(out, ["env=custom", "env._target_=unused.Env"]), "eval.enabled=true",
+                           "eval.num_prompts=4", "eval.val_prompts=5", f"eval.every_steps={every}",
+                           "training.max_steps=4", "training.learning_rate=0.05", "loss=grpo"])
+        result = recipe.train(cfg, launch_dir=str(out), env=VariedEnv())
+        curves.append((result.rewards, load_file(str(Path(result.model_path) / "adapter_model.safetensors"))))
+        if every:
+            assert len(result.validation) == 4 and result.eval_seconds > 0
+    assert curves[0][0] == curves[1][0]
+    # the last weights are the same (with validation, model/ holds the best step's: compare model-last)
+    last = load_file(str(tmp_path / "every1" / "run" / "model-last" / "adapter_model.safetensors"))
+    assert all(torch.equal(curves[0][1][k], last[k]) for k in last)
