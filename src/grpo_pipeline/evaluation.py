@@ -120,13 +120,25 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
     return out_texts
 
 
-def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int) -> dict:
-    """Greedy episodes over `dataset`; the RNG states are left as they were, so evaluating does not change
-    the training trajectory of a seeded run."""
+def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int,
+             rollout=None) -> dict:
+    """Greedy episodes over `dataset` (multi-turn through `rollout` when the env has one); the RNG states are
+    left as they were, so evaluating does not change the training trajectory of a seeded run."""
+    rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
+    prompts = dataset["prompt"]
     with preserved_rng():
-        completions = generate(model, tokenizer, dataset["prompt"], max_new_tokens, batch_size)
-        rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
-        scores, metrics = runner.score(completions, rows, evaluation=True)
+        if rollout is None:
+            completions, pre_failures = generate(model, tokenizer, prompts, max_new_tokens, batch_size), None
+            episodes = completions
+        else:
+            from grpo_pipeline.runtime.rollout import GREEDY
+
+            trajs = [t for start in range(0, len(prompts), batch_size)
+                     for t in rollout.run(model, prompts[start : start + batch_size], rows[start : start + batch_size],
+                                          GREEDY)]
+            episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
+            completions = [t.text for t in trajs]
+        scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
     return {
         "mean_reward": statistics.fmean(scores),
         "success_rate": sum(s >= 1.0 for s in scores) / len(scores),

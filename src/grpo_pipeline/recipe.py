@@ -29,9 +29,10 @@ from grpo_pipeline.envs.loader import (
     importable_from,
     load_env,
 )
+from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation import Split, evaluate, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
-from grpo_pipeline.prompts import attach_tools
+from grpo_pipeline.prompts import attach_tools, supports_tools
 from grpo_pipeline.redact import mask_credentials, redact_log_records
 from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
@@ -61,8 +62,10 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     if cfg.eval.enabled:
         split = split_heldout(dataset, cfg.eval, env_name, _as_list(getattr(env, "heldout_group_by", None)))
     gen = cfg.generation
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, [c for c in dataset.column_names if c != "prompt"],
-                           sampling=sampling(gen), group_size=gen.num_generations)
+    extra_columns = [c for c in dataset.column_names if c != "prompt"]
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
+                           group_size=gen.num_generations)
+    rollout = multi_turn_rollout(cfg, env, tokenizer, runner, tool_functions)
     lora_targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules) if cfg.lora.enabled else None
     with importable_from(launch_dir):  # reward components may live in the launch dir, like the env
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
@@ -78,13 +81,13 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     try:
         _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
-                                 tool_functions)
+                                 tool_functions, rollout, extra_columns)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
 
         def score(dataset):
-            return evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size)
+            return evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout)
 
         validation = _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, checkpoint, is_main)
         trainer.add_callback(stop)  # after validation: an early stop is decided in the same step
@@ -142,6 +145,22 @@ def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | Non
     return env, tokenizer, dataset, tool_functions
 
 
+def multi_turn_rollout(cfg: DictConfig, env, tokenizer, runner, tool_functions):
+    """The runtime's own multi-turn generation, for an env with a `respond` method (else None: TRL generates)."""
+    if not callable(getattr(env, "respond", None)):
+        return None
+    if tool_functions:
+        raise ConfigError(f"{type(env).__qualname__} has both respond() and get_tool_functions(): a multi-turn env "
+                          "runs its tools in respond; drop get_tool_functions.")
+    from grpo_pipeline.runtime.rollout import Rollout
+
+    return Rollout(env, tokenizer, runner,
+                   max_turns=int(getattr(env, "max_turns", None) or cfg.runtime.max_turns),
+                   turn_tokens=int(getattr(env, "turn_max_new_tokens", None) or cfg.generation.max_new_tokens),
+                   max_episode_tokens=cfg.runtime.max_episode_tokens,
+                   tools=get_tool_schemas(env) if supports_tools(tokenizer) else None)
+
+
 def sampling(gen) -> dict:
     """How the env's own turns sample in training (the same settings TRL samples the first turn with)."""
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
@@ -164,9 +183,11 @@ def _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_m
         (run_dir / "resolved_config.yaml").write_text(mask_credentials(OmegaConf.to_yaml(cfg, resolve=True)))
 
 
-def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools):
+def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,
+                   extra_columns):
     from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOTrainer
+
+    from grpo_pipeline.trainer import PipelineTrainer, rollout_func
 
     model = load_model(cfg.model, tokenizer)
     peft_config = None
@@ -175,7 +196,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
 
         peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                  target_modules=lora_targets, task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(
+    trainer = PipelineTrainer(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_config,
@@ -184,6 +205,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         peft_config=peft_config,
         callbacks=[RunLogger(tracker)],
         tools=tools or None,
+        rollout_func=rollout_func(rollout, sampling(cfg.generation), extra_columns) if rollout else None,
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     return trainer

@@ -137,6 +137,12 @@ class RuntimeConfig:
     # failed or timed out (0.1 over 200: more than 20). Every episode of the first 2 batches failing stops it too.
     max_failure_rate: float = 0.1
     failure_window: int = 200
+    # Multi-turn envs (those with a `respond` method): the runtime generates every assistant turn. An episode
+    # ends when respond returns None, after max_turns assistant turns (an env's own `max_turns` attribute
+    # wins), or when its completion (assistant + env tokens) would pass max_episode_tokens. Each assistant
+    # turn gets generation.max_new_tokens (an env's `turn_max_new_tokens` attribute wins).
+    max_turns: int = 4
+    max_episode_tokens: int = 1024
 
 
 @dataclass

@@ -75,6 +75,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"runtime.on_error={run.on_error!r}: use one of {ON_ERROR}.")
     if run.max_concurrency < 1:
         p.append(f"runtime.max_concurrency={run.max_concurrency}: must be >= 1.")
+    if run.max_turns < 1 or run.max_episode_tokens < 2:
+        p.append(f"runtime.max_turns={run.max_turns} must be >= 1 and runtime.max_episode_tokens="
+                 f"{run.max_episode_tokens} >= 2.")
     if run.episode_timeout_s <= 0:
         p.append(f"runtime.episode_timeout_s={run.episode_timeout_s}: must be > 0.")
     if not 0 <= run.max_failure_rate <= 1:

@@ -2,10 +2,11 @@
 
 The guest asks for a room (city, guests, price cap, wished features). The assistant calls
 `search_rooms` and `book_room` by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-(parsed with json, never executed as code). `score_episode` plays the episode out: it runs the tool
-calls of each assistant turn, appends the results (or the guest's nudge when no tool was called), asks
-the live policy for the next turn with `model.generate`, and stops at a booking or after `max_turns`
-assistant turns. Score, from the booking that results:
+(parsed with json, never executed as code). The env owns the conversation, the runtime the generation
+(runtime/rollout.py): after each assistant turn, `respond` runs its tool calls and returns the results
+(or the guest's nudge when it called none), and the episode ends at a booking or after `max_turns`
+assistant turns. Every assistant turn is trained; the env's turns are masked out of the loss.
+`score_episode` reads the whole transcript. Score, from the first booking:
 1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another real room;
 0.2 no booking but a search in the right city; 0.1 a well-formed tool call; else 0.
 """
@@ -15,8 +16,6 @@ import random
 import re
 
 from datasets import Dataset
-
-from grpo_pipeline.prompts import render_prompt, supports_tools
 
 CITIES = ["Lisbon", "Porto", "Madrid", "Paris"]
 FEATURES = ["sea view", "breakfast", "balcony", "quiet"]
@@ -30,6 +29,7 @@ SYSTEM = (
     "Book exactly one room that meets every wish of the guest."
 )
 NUDGE = "Please search for rooms and book one that meets all my wishes."
+MALFORMED = 'Your <tool_call> was not valid JSON. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
 
 def parse_tool_calls(text: str) -> list[dict] | None:
@@ -151,42 +151,50 @@ class HotelEnv:
         ] + [f in room["features"] for f in request["features"]]
         return sum(checks), len(checks)
 
-    # --- the episode -------------------------------------------------------------------------------
-    def score_episode(self, model, tokenizer, completion: str, request: dict, **_) -> float:
-        messages = self._opening(request) + [{"role": "assistant", "content": completion}]
-        reply, searched, well_formed, booked = completion, False, False, None
-        for turn in range(self.max_turns):
-            calls = parse_tool_calls(reply) or []
-            well_formed = well_formed or bool(calls)
-            results = []
-            for call in calls:
+    # --- the episode (the runtime generates the assistant's turns; see runtime/rollout.py) ---------------
+    def respond(self, messages: list[dict], request: dict, **_) -> dict | None:
+        """The env's reply to the assistant's last turn: the results of its tool calls, a nudge when it called
+        none (or wrote a malformed call), or None once it has booked a room (the episode is over)."""
+        calls = parse_tool_calls(messages[-1]["content"])
+        if calls is None:
+            return {"role": "user", "content": MALFORMED}
+        if not calls:
+            return {"role": "user", "content": NUDGE}
+        results = []
+        for call in calls:
+            name, args = call.get("name"), call.get("arguments", {})
+            if name == "book_room":
+                return None
+            if name == "search_rooms":
+                results.append(self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")}))
+            else:
+                results.append({"error": f"unknown tool {name!r}"})
+        return {"role": "tool", "content": "\n".join(json.dumps(r) for r in results)}
+
+    def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict, **_) -> float:
+        """`completion`: the episode's messages after the opening (or, from older callers, the first reply)."""
+        replies = [completion] if isinstance(completion, str) else [
+            m["content"] for m in completion if m.get("role") == "assistant"]
+        searched = well_formed = False
+        for reply in replies:
+            for call in parse_tool_calls(reply) or []:
+                well_formed = True
                 args = call.get("arguments", {})
                 if call.get("name") == "search_rooms":
-                    found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
                     searched = searched or str(args.get("city", "")).lower() == request["city"].lower()
-                    results.append(json.dumps(found))
                 elif call.get("name") == "book_room":
                     booked = self.rooms.get(str(args.get("room_id")))
-                    results.append(json.dumps({"booked": booked is not None}))
-                    break
-                else:
-                    results.append(json.dumps({"error": f"unknown tool {call.get('name')!r}"}))
-            if booked is not None or turn == self.max_turns - 1:
-                break
-            messages.append({"role": "tool", "content": "\n".join(results)} if results else {"role": "user", "content": NUDGE})
-            reply = self._next_turn(model, tokenizer, messages)
-            messages.append({"role": "assistant", "content": reply})
-        if booked is not None:
-            met, total = self.wishes_met(booked, request)
-            return 1.0 if met == total else 0.3 + 0.6 * met / total
+                    if booked is None:
+                        return 0.2 if searched else 0.1
+                    met, total = self.wishes_met(booked, request)
+                    return 1.0 if met == total else 0.3 + 0.6 * met / total
         return 0.2 if searched else 0.1 if well_formed else 0.0
 
-    def _next_turn(self, model, tokenizer, messages: list[dict]) -> str:
-        text, _ = render_prompt(tokenizer, messages, self.get_tools() if supports_tools(tokenizer) else None)
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-        # sampling (do_sample, temperature, ...) comes from the runtime: the run's settings in training, greedy in eval
-        out = model.generate(**inputs, max_new_tokens=self.turn_max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    def episode_metrics(self, completion: list[dict], request: dict, **_) -> dict[str, float]:
+        """Logged per step as env/<name> (batch means)."""
+        parsed = [parse_tool_calls(m["content"]) for m in completion if m.get("role") == "assistant"]
+        return {"tool_calls": float(sum(len(p) for p in parsed if p)),
+                "malformed_tool_calls": float(sum(p is None for p in parsed))}
 
 
 def _ask(request: dict) -> str:

@@ -80,11 +80,13 @@ class EpisodeRunner:
     def bind(self, model) -> None:
         self.model = model
 
-    def score(self, completions: list[str], rows: list[dict], evaluation: bool = False
-              ) -> tuple[list[float], dict[str, float]]:
+    def score(self, completions: list[Any], rows: list[dict], evaluation: bool = False,
+              pre_failures: list[str | None] | None = None) -> tuple[list[float], dict[str, float]]:
         """Scores for one batch (failed episodes 0.0) and the batch's runtime metrics, under the failure
-        policy. With evaluation=True: greedy env turns, `eval/` counters, no stop for failures."""
-        scores, _, metrics = self._score(completions, rows, evaluation)
+        policy. With evaluation=True: greedy env turns, `eval/` counters, no stop for failures.
+        A completion is text, or a multi-turn episode's messages; `pre_failures` marks episodes whose env
+        calls already failed during the rollout (they are not scored, they count as failures)."""
+        scores, _, metrics = self._score(completions, rows, evaluation, pre_failures)
         return scores, metrics
 
     def reward_function(self) -> Callable:
@@ -93,7 +95,11 @@ class EpisodeRunner:
 
         def reward(prompts, completions, log_metric=None, **columns):
             rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]
-            scores, failed, metrics = self._score([completion_text(c) for c in completions], rows, False)
+            if "transcript" in columns:  # multi-turn episodes the runtime generated (rollout.py)
+                episodes, pre_failures = columns["transcript"], columns["episode_failure"]
+            else:
+                episodes, pre_failures = [completion_text(c) for c in completions], None
+            scores, failed, metrics = self._score(episodes, rows, False, pre_failures)
             if log_metric is not None:
                 for name, value in metrics.items():
                     log_metric(name, value)
@@ -102,8 +108,8 @@ class EpisodeRunner:
         reward.__name__ = "env"
         return reward
 
-    def run_episodes(self, completions: list[str], rows: list[dict],
-                     sampling: dict | None = None) -> list[Episode]:
+    def run_episodes(self, completions: list[Any], rows: list[dict], sampling: dict | None = None,
+                     skip: list[bool] | None = None) -> list[Episode]:
         """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing.
         Returns once no env model call is running; every episode's model handle is revoked by then."""
         if self.model is None:
@@ -123,7 +129,9 @@ class EpisodeRunner:
         was_training = self.model.training
         self.model.eval()
         try:
-            fns = [self._episode_fn(h, c, row) for h, c, row in zip(handles, completions, rows, strict=True)]
+            skip = skip or [False] * len(rows)
+            fns = [(lambda ep: None) if s else self._episode_fn(h, c, row)
+                   for h, c, row, s in zip(handles, completions, rows, skip, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
                                    on_start=lambda i: handles[i].join_batcher(),  # the batcher waits for the wave
                                    on_timeout=lambda i: handles[i].revoke(self._abandoned(i)))
@@ -144,16 +152,30 @@ class EpisodeRunner:
     def _episode_fn(self, handle: PolicyHandle, completion: str, row: dict) -> Callable[[Episode], Any]:
         def episode(ep: Episode):
             try:
-                return self._exclusively(ep, handle, completion, row)
+                return self._exclusively(ep, lambda: self.env.score_episode(handle, self.tokenizer, completion, **row),
+                                         lambda: handle.revoked)
             finally:
                 handle.leave_batcher()
 
         return episode
 
-    def _exclusively(self, ep: Episode, handle: PolicyHandle, completion: str, row: dict) -> Any:
-        """score_episode, holding the env's lock when it is not thread-safe."""
+    def call_env(self, calls: list[Callable[[], Any]], method: str, rows: list[dict], texts: list[str]
+                 ) -> list[tuple[Any, str | None, float]]:
+        """Run env calls (e.g. `respond`) of several episodes at once under the runtime's rules: at most
+        runtime.max_concurrency threads, runtime.episode_timeout_s each, one at a time for a non-thread-safe
+        env. Returns (value, failure message or None, seconds) per call; raises nothing."""
+        fns = [lambda ep, call=call: self._exclusively(ep, call) for call in calls]
+        episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s)
+        out = []
+        for ep, row, text in zip(episodes, rows, texts, strict=True):
+            failure = self._failure(ep, text, row, method)
+            out.append((None if failure else ep.value, failure, ep.seconds))
+        return out
+
+    def _exclusively(self, ep: Episode, call: Callable[[], Any], revoked: Callable[[], bool] = lambda: False) -> Any:
+        """An env call, holding the env's lock when it is not thread-safe."""
         if self._exclusive is None:
-            return self.env.score_episode(handle, self.tokenizer, completion, **row)
+            return call()
         ep.waiting_for_lock = True  # time spent here counts toward the episode's timeout
         if self._stuck is not None and self._stuck is self._holder:  # it already cost one episode a timeout
             ep.timed_out = ep.timed_out_waiting = True
@@ -165,14 +187,19 @@ class EpisodeRunner:
             return None
         self._holder, ep.waiting_for_lock = ep, False
         try:
-            return None if handle.revoked else self.env.score_episode(handle, self.tokenizer, completion, **row)
+            return None if revoked() else call()
         finally:
             self._holder = None
             self._exclusive.release()
 
-    def _score(self, completions, rows, evaluation: bool) -> tuple[list[float], list[bool], dict[str, float]]:
-        episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None)
-        failures = [self._failure(ep, c, row) for ep, c, row in zip(episodes, completions, rows, strict=True)]
+    def _score(self, completions, rows, evaluation: bool, pre_failures: list[str | None] | None = None
+               ) -> tuple[list[float], list[bool], dict[str, float]]:
+        """`pre_failures`: episodes that already failed before scoring (an env call of a multi-turn rollout)."""
+        pre_failures = pre_failures or [None] * len(rows)
+        episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
+                                     skip=[f is not None for f in pre_failures])
+        failures = [pre or self._failure(ep, c, row)
+                    for ep, c, row, pre in zip(episodes, completions, rows, pre_failures, strict=True)]
         scores = [0.0 if f else self._check_score(ep.value, c, row)
                   for ep, f, c, row in zip(episodes, failures, completions, rows, strict=True)]
         timeouts = sum(ep.timed_out for ep in episodes)
@@ -194,7 +221,7 @@ class EpisodeRunner:
                     "timeouts": float(self.timeouts)}
         return scores, failed, {f"env/{k}": v for k, v in metrics.items()}
 
-    def _failure(self, ep: Episode, completion: str, row: dict) -> str | None:
+    def _failure(self, ep: Episode, completion: Any, row: dict, method: str = "score_episode") -> str | None:
         """Why the episode failed (with its traceback, row and completion), or None."""
         if ep.timed_out_waiting:
             what = (f"timed out after {self.cfg.episode_timeout_s:g}s (runtime.episode_timeout_s) waiting for an "
@@ -206,7 +233,7 @@ class EpisodeRunner:
             what = "raised:\n" + "".join(traceback.format_exception(ep.error)).rstrip()
         else:
             return None
-        return f"{self.env_name}.score_episode {what}\n{self._describe(completion, row)}"
+        return f"{self.env_name}.{method} {what}\n{self._describe(completion, row)}"
 
     def _check_score(self, value: Any, completion: str, row: dict) -> float:
         problem = score_problem(value)
@@ -215,9 +242,10 @@ class EpisodeRunner:
         return float(value)
 
     @staticmethod
-    def _describe(completion: str, row: dict) -> str:
+    def _describe(completion: Any, row: dict) -> str:
         cols = {k: (v if len(repr(v)) < 120 else repr(v)[:117] + "...") for k, v in row.items()}
-        return f"row (extra columns): {cols}\ncompletion starts: {completion[:200]!r}"
+        text = completion if isinstance(completion, str) else completion_text(completion)
+        return f"row (extra columns): {cols}\ncompletion starts: {text[:200]!r}"
 
 
 def _preview(row: dict) -> str:

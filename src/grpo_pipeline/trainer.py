@@ -1,0 +1,61 @@
+"""TRL's GRPOTrainer and the one thing the pipeline adds to it: multi-turn rollouts the runtime generates.
+
+`PipelineTrainer` keeps the dataset rows of the batch being generated (a multi-turn env's `respond` and
+`score_episode` need the row's columns; TRL hands a `rollout_func` only the prompts). `rollout_func`
+turns the runtime's trajectories into what TRL trains on: prompt ids, completion ids (assistant and env
+turns), the env mask (env tokens carry no loss) and the sampled tokens' log-probabilities.
+"""
+
+import os
+import statistics
+
+from trl import GRPOTrainer
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
+
+from grpo_pipeline.runtime.rollout import Rollout
+
+
+class PipelineTrainer(GRPOTrainer):
+    current_rows: list[dict] = []
+
+    def _generate_and_score_completions(self, inputs):
+        self.current_rows = inputs
+        return super()._generate_and_score_completions(inputs)
+
+
+def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
+    def run(prompts: list, trainer: PipelineTrainer) -> dict:
+        rows = [{k: x[k] for k in extra_columns} for x in trainer.current_rows]
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        trajs = rollout.run(policy, prompts, rows, sampling)
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
+        for key, value in episode_metrics(rollout, trajs).items():
+            metrics[key].append(value)
+        return {
+            "prompt_ids": [t.prompt_ids for t in trajs],
+            "completion_ids": [t.completion_ids for t in trajs],
+            "logprobs": [t.logprobs for t in trajs],
+            "env_mask": [t.env_mask for t in trajs],
+            "transcript": [t.messages for t in trajs],  # what score_episode gets as `completion`
+            "episode_failure": [t.failure for t in trajs],
+        }
+
+    return run
+
+
+def episode_metrics(rollout: Rollout, trajs: list) -> dict[str, float]:
+    """Per-batch means: assistant turns, env tokens, episodes cut by the token budget, and whatever the env's
+    optional `episode_metrics(transcript, **row)` reports (e.g. tool calls)."""
+    out = {
+        "env/turns_mean": statistics.fmean(t.turns for t in trajs),
+        "env/env_tokens_mean": statistics.fmean(t.env_tokens for t in trajs),
+        "env/episodes_cut": float(sum(t.cut for t in trajs)),
+        "env/respond_seconds_max": max(t.seconds for t in trajs),
+    }
+    extra = getattr(rollout.env, "episode_metrics", None)
+    if callable(extra):
+        values = [extra(t.messages, **t.row) for t in trajs if t.failure is None]
+        for key in sorted({k for v in values for k in v}):
+            out[f"env/{key}"] = statistics.fmean(float(v.get(key, 0.0)) for v in values)
+    return out

@@ -1,0 +1,174 @@
+"""Multi-turn episodes the runtime generates: token fidelity (the tokens trained are the tokens sampled), the
+env's tokens masked out of the loss, every assistant turn trained, budgets, failures, the hotel env."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+import grpo_pipeline.recipe as recipe
+from conftest import tiny_overrides
+from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.envs.hotel import HotelEnv
+from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
+from grpo_pipeline.runtime.episodes import EpisodeRunner
+from grpo_pipeline.runtime.rollout import GREEDY, Rollout, SharedPrefix, generate
+
+SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
+
+
+class ToolEnv:
+    """Answers every assistant turn with a tool result until the third turn."""
+
+    max_turns = 3
+    turn_max_new_tokens = 6
+
+    def __init__(self, fail_on: int | None = None):
+        self.fail_on = fail_on
+
+    def build_dataset(self, tokenizer):
+        system = {"role": "system", "content": "You are a counting assistant. " * 4}
+        return Dataset.from_list([{"prompt": [system, {"role": "user", "content": f"Count to {i}"}], "i": i}
+                                  for i in range(24)])
+
+    def respond(self, messages, i):
+        if i == self.fail_on:
+            raise ConnectionError("tool server down")
+        turns = sum(m["role"] == "assistant" for m in messages)
+        return {"role": "tool", "content": f"result {turns} for {i}"}
+
+    def score_episode(self, model, tokenizer, completion, i):
+        return (sum(len(m["content"]) for m in completion if m["role"] == "assistant") % 5) / 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer, build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
+
+
+def _rollout(tiny, env=None, **kw):
+    tokenizer, model = tiny
+    env = env or ToolEnv()
+    runner = EpisodeRunner(env, tokenizer, RuntimeConfig(), ["i"])
+    runner.bind(model)
+    args = {"max_turns": env.max_turns, "turn_tokens": env.turn_max_new_tokens, "max_episode_tokens": 512} | kw
+    return Rollout(env, tokenizer, runner, **args), env.build_dataset(tokenizer)
+
+
+def _teacher_forced_logps(model, prompt_ids, completion_ids, temperature):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+
+
+def test_the_tokens_trained_are_the_tokens_sampled(tiny):
+    rollout, data = _rollout(tiny)
+    torch.manual_seed(0)
+    trajs = rollout.run(tiny[1], data["prompt"][:4], [{"i": i} for i in range(4)], SAMPLING)
+    for t in trajs:
+        assert len(t.completion_ids) == len(t.env_mask) == len(t.logprobs)
+        assert t.turns == 3 and sum(m["role"] == "tool" for m in t.messages) == 2
+        # the model's own log-probabilities of exactly these tokens, in exactly this context, are the ones sampled
+        forced = _teacher_forced_logps(tiny[1], t.prompt_ids, t.completion_ids, SAMPLING["temperature"])
+        sampled = torch.tensor(t.logprobs)
+        model_tokens = torch.tensor(t.env_mask).bool()
+        assert torch.allclose(forced[model_tokens], sampled[model_tokens], atol=1e-4)
+        # each assistant message is the decoding of its own sampled tokens, nothing re-encoded in between
+        segments, current = [], []
+        for tok, m in zip(t.completion_ids, t.env_mask, strict=True):
+            if m:
+                current.append(tok)
+            elif current:
+                segments, current = segments + [current], []
+        segments += [current] if current else []
+        texts = [rollout.tokenizer.decode(s, skip_special_tokens=True) for s in segments]
+        assert texts == [m["content"] for m in t.messages if m["role"] == "assistant"]
+
+
+def test_the_env_turns_are_masked_and_rendered_by_the_chat_template(tiny):
+    rollout, data = _rollout(tiny)
+    t = rollout.run(tiny[1], data["prompt"][:1], [{"i": 0}], GREEDY)[0]
+    env_ids = [tok for tok, m in zip(t.completion_ids, t.env_mask, strict=True) if not m]
+    env_text = rollout.tokenizer.decode(env_ids)
+    assert "<|im_start|>tool\nresult 1 for 0<|im_end|>" in env_text and env_text.endswith("<|im_start|>assistant\n")
+    assert t.env_tokens == len(env_ids) and set(t.logprobs[i] for i, m in enumerate(t.env_mask) if not m) == {0.0}
+
+
+def test_a_shared_prefix_cache_gives_the_same_tokens(tiny):
+    tokenizer, model = tiny
+    base = tokenizer("<|im_start|>system\n" + "You are a counting assistant. " * 6, add_special_tokens=False)["input_ids"]
+    sequences = [base + tokenizer(f"Count to {i}" * (i + 1), add_special_tokens=False)["input_ids"] for i in range(3)]
+    prefix = SharedPrefix.build(model, sequences)
+    assert prefix is not None and len(prefix.ids) >= len(base) - 1
+    eos = [tokenizer.eos_token_id]
+    with torch.no_grad():
+        cached, _ = generate(model, sequences, 8, GREEDY, eos, tokenizer.pad_token_id, prefix, with_logprobs=False)
+        plain, _ = generate(model, sequences, 8, GREEDY, eos, tokenizer.pad_token_id, None, with_logprobs=False)
+        alone = [generate(model, [s], 8, GREEDY, eos, tokenizer.pad_token_id, None, with_logprobs=False)[0][0]
+                 for s in sequences]
+    assert cached == plain == alone
+
+
+def test_the_token_budget_and_the_turn_limit_end_episodes(tiny):
+    rollout, data = _rollout(tiny, max_episode_tokens=20)
+    t = rollout.run(tiny[1], data["prompt"][:1], [{"i": 0}], GREEDY)[0]
+    assert t.cut and len(t.completion_ids) <= 20 and t.turns < 3
+
+
+def test_a_failing_respond_fails_its_own_episode_only(tiny):
+    rollout, data = _rollout(tiny, env=ToolEnv(fail_on=1))
+    trajs = rollout.run(tiny[1], data["prompt"][:3], [{"i": i} for i in range(3)], GREEDY)
+    assert [t.failure is not None for t in trajs] == [False, True, False]
+    assert "ToolEnv.respond raised" in trajs[1].failure and "tool server down" in trajs[1].failure
+    assert trajs[0].turns == trajs[2].turns == 3 and trajs[1].turns == 1
+
+
+def test_training_trains_every_assistant_turn_and_masks_the_env(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.trainer import PipelineTrainer
+
+    seen = []
+    original = PipelineTrainer._generate_and_score_completions
+
+    def capture(self, inputs):
+        out = original(self, inputs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(PipelineTrainer, "_generate_and_score_completions", capture)
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "loss=grpo",
+                       "eval.enabled=true", "eval.num_prompts=4"])
+    result = recipe.train(cfg, launch_dir=str(tmp_path), env=ToolEnv())
+    assert result.steps == 2 and result.eval_after["num_prompts"] == 4
+    mask = seen[0]["tool_mask"] * seen[0]["completion_mask"]
+    for row in mask.tolist():  # model tokens (1), then env tokens (0), then model tokens again: turn 2 is trained
+        text = "".join(map(str, row)).rstrip("0")
+        assert "10" in text and "01" in text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    metrics = client.get_run(result.mlflow_run_id).data.metrics
+    assert metrics["env/turns_mean"] == 3 and metrics["env/env_tokens_mean"] > 0
+
+
+def test_hotel_respond_runs_tools_and_scores_the_transcript():
+    env = HotelEnv()
+    request = env.build_dataset(build_tiny_tokenizer())[0]["request"]
+    args = {k: request[k] for k in ("city", "guests", "max_price")}
+    search = f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'
+    reply = env.respond([{"role": "assistant", "content": search}], request)
+    found = json.loads(reply["content"])
+    assert reply["role"] == "tool" and found and all(r["city"] == request["city"] for r in found)
+    best = next(r for r in found if env.wishes_met(r, request)[0] == env.wishes_met(r, request)[1])
+    book = f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": best["room_id"]}})}</tool_call>'
+    assert env.respond([{"role": "assistant", "content": book}], request) is None  # booked: done
+    transcript = [{"role": "assistant", "content": search}, reply, {"role": "assistant", "content": book}]
+    assert env.score_episode(None, None, transcript, request) == 1.0
+    assert env.score_episode(None, None, transcript[:2], request) == 0.2  # searched, never booked
+    assert env.respond([{"role": "assistant", "content": "<tool_call>{oops</tool_call>"}], request)["role"] == "user"
+    assert env.episode_metrics(transcript, request) == {"tool_calls": 2.0, "malformed_tool_calls": 0.0}
