@@ -10,6 +10,7 @@ collective for the others).
 
 import signal
 import threading
+import time
 
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
@@ -51,10 +52,12 @@ EARLY_STOP, TRACKING_FAILED = 1, 100  # stop codes besides signal numbers; the h
 
 class StopControl(TrainerCallback):
     """Finish the current step, save a checkpoint, stop: on SIGINT/SIGTERM or when tracking gave up (an
-    error stop), or when validation asks for an early stop (a normal end)."""
+    error stop), or when validation asks for an early stop or training.max_minutes is up (a normal end)."""
 
-    def __init__(self, tracker: Tracker | None = None, validation=None):
+    def __init__(self, tracker: Tracker | None = None, validation=None, max_minutes: float | None = None):
         self.tracker, self.validation = tracker, validation
+        self.max_minutes = max_minutes
+        self.deadline: float | None = None
         self.signum: int | None = None
         self.reason: str | None = None  # why training stopped with an error, if it did
         self.stopped_early = False
@@ -77,12 +80,18 @@ class StopControl(TrainerCallback):
             raise KeyboardInterrupt
         self.signum = signum
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.max_minutes:
+            self.deadline = time.monotonic() + 60 * self.max_minutes
+
     def on_step_end(self, args, state, control, **kwargs):
         code = self.signum or 0
         if self.tracker is not None and self.tracker.failed:
             code = TRACKING_FAILED
         elif not code and self.validation is not None and self.validation.stop_requested:
             code = EARLY_STOP
+        elif not code and self.deadline is not None and time.monotonic() >= self.deadline:
+            code = EARLY_STOP  # training.max_minutes is up
         code = _max_over_ranks(code, args.device)
         if code == TRACKING_FAILED:
             self.reason = (self.tracker.failed if self.tracker is not None and self.tracker.failed

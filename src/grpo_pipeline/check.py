@@ -41,7 +41,7 @@ def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.evaluation import generate
     from grpo_pipeline.models import load_model
     from grpo_pipeline.prompts import render_prompt
-    from grpo_pipeline.recipe import load_env_and_dataset
+    from grpo_pipeline.recipe import load_env_and_dataset, multi_turn_rollout
     from grpo_pipeline.runtime.episodes import EpisodeRunner, score_problem
 
     check_config(cfg)
@@ -62,17 +62,34 @@ def run_check(cfg: DictConfig) -> Report:
     model = load_model(cfg.model, tokenizer)
     gen = cfg.generation
     sampling = {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
-    started = time.monotonic()
-    completions = generate(model, tokenizer, prompts, gen.max_new_tokens, cfg.eval.batch_size, sampling)
-    r.lines.append(f"generated {len(completions)} completions ({len(rows)} prompts x {group}) "
-                   f"in {time.monotonic() - started:.1f}s")
-
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sampling)
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
-    episodes = runner.run_episodes(completions, row_dicts)
+    rollout = multi_turn_rollout(cfg, env, tokenizer, runner, [])
+    started = time.monotonic()
+    failures = [None] * len(prompts)
+    if rollout is None:
+        completions = generate(model, tokenizer, prompts, gen.max_new_tokens, cfg.eval.batch_size, sampling)
+        episodes_in = completions
+    else:  # the runtime plays whole episodes: show one turn by turn
+        trajs = [t for start in range(0, len(prompts), cfg.eval.batch_size)
+                 for t in rollout.run(model, prompts[start : start + cfg.eval.batch_size],
+                                      row_dicts[start : start + cfg.eval.batch_size], sampling)]
+        episodes_in, completions = [t.messages for t in trajs], [t.text for t in trajs]
+        failures = [t.failure for t in trajs]
+        r.lines += ["sample episode (turn by turn, after the opening):"] + [
+            _indent(f"[{m['role']}] {m['content'][:300]}") for m in trajs[0].messages]
+        r.lines.append(f"turns per episode: mean {statistics.fmean(t.turns for t in trajs):.2f} (max_turns "
+                       f"{rollout.max_turns}); env tokens: mean {statistics.fmean(t.env_tokens for t in trajs):.0f}; "
+                       f"cut by runtime.max_episode_tokens: {sum(t.cut for t in trajs)}")
+        r.broken += [f"{f.splitlines()[0]}" for f in failures if f]
+    r.lines.append(f"generated {len(completions)} episodes ({len(rows)} prompts x {group}) "
+                   f"in {time.monotonic() - started:.1f}s")
+    episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures])
     scores = []
-    for ep, completion in zip(episodes, completions, strict=True):
+    for ep, completion, failure in zip(episodes, completions, failures, strict=True):
+        if failure:
+            continue
         if ep.timed_out:
             r.broken.append(f"episode timed out after {cfg.runtime.episode_timeout_s:g}s; completion {completion[:80]!r}")
         elif ep.error is not None:

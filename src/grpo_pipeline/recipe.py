@@ -77,7 +77,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     # 2. The run.
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = None
-    stop = StopControl(tracker)
+    stop = StopControl(tracker, max_minutes=cfg.training.max_minutes)
     try:
         _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
@@ -118,6 +118,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             tokenizer.save_pretrained(run_dir / "model_merged")
         result = _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracker, started,
                          train_seconds, validation, stop)
+        result.startup_seconds = round(train_started - started, 1)
         if is_main:
             write_outputs(result, run_dir, tracker)
         tracker.end("FINISHED", unsent_path=run_dir / UNSENT_FILE)

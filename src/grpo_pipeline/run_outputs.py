@@ -35,6 +35,7 @@ class RunResult:
     validation: list | None = None  # [(step, validation mean reward), ...]
     stopped_early: bool = False
     eval_seconds: float = 0.0  # time spent on validation during training
+    startup_seconds: float = 0.0  # from the start to the first training step (loading, the "before" evaluation)
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}

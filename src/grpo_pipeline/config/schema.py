@@ -119,6 +119,8 @@ class TrainingConfig:
     use_cpu: bool | None = None
     # Save the trained weights / adapter to <run dir>/model.
     save_model: bool = True
+    # Stop training after this many minutes (a normal end, checked after each step); null: no time limit.
+    max_minutes: float | None = None
 
 
 @dataclass
