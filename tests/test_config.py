@@ -101,3 +101,16 @@ def test_colocate_tensor_parallel_must_divide_the_processes(compose_cfg, tmp_pat
     cfg = compose_cfg(["vllm=colocate", "vllm.tensor_parallel_size=2", f"output_dir={tmp_path}"])
     assert any("vllm.tensor_parallel_size=2 does not divide the 3 training process(es)" in p
                for p in config_problems(cfg))
+
+
+def test_a_config_error_is_reported_before_torch_or_transformers_load(tmp_path):
+    """Reported in seconds: the check runs before the heavy imports (measured ~2 s on 2 cores)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "grpo_pipeline", "training.batch_size=6"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "training.batch_size=6" in proc.stderr
+    imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hydra" in imported and not imported & {"torch", "transformers", "trl", "peft", "mlflow"}

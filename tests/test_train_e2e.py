@@ -43,6 +43,10 @@ def test_tiny_training_end_to_end(compose_cfg, tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "reward")] == [1, 2]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "resolved_config.yaml", "reward_curve.png"} <= artifacts
+    # the UI opens the experiment in its training-runs view, and the run says what was trained
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    note = run.data.tags["mlflow.note.content"]
+    assert note.startswith("GRPO (dapo, kl_coef 0.01) of tiny on ArithmeticEnv: LoRA r=16, 2 steps") and "seed 42" in note
 
 
 def test_full_finetune_without_lora_saves_weights(compose_cfg, tmp_path):
