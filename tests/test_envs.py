@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from grpo_pipeline.envs.arithmetic import ArithmeticEnv
 from grpo_pipeline.envs.hotel import HotelEnv, parse_tool_calls
@@ -41,17 +40,16 @@ def test_arithmetic_rejects_bad_kwargs():
         ArithmeticEnv(format_weight=0.5, answer_weight=0.8)
 
 
-class ScriptedPolicy:
-    """A stand-in for the live policy: each generate call answers with the next scripted reply."""
-
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.prompts = tokenizer, list(replies), []
-        self.device = torch.device("cpu")
-
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        self.prompts.append(self.tokenizer.decode(input_ids[0]))
-        reply = self.tokenizer(self.replies.pop(0) + "<|im_end|>", return_tensors="pt")["input_ids"]
-        return torch.cat([input_ids, reply], dim=1)
+def play(env, request, replies):
+    """An episode as the runtime plays it: each scripted assistant turn, then the env's reply, until done."""
+    transcript = []
+    for reply in replies:
+        transcript.append({"role": "assistant", "content": reply})
+        answer = env.respond(env._opening(request) + transcript, request=request)
+        if answer is None:
+            break
+        transcript.append(answer)
+    return transcript
 
 
 def call(name, **arguments):
@@ -66,14 +64,13 @@ def matching_room(env, request):
 
 def test_hotel_multi_turn_episode_books_the_right_room(tokenizer):
     env = HotelEnv(num_samples=5, max_turns=3, difficulty="normal")
-    ds = env.build_dataset(tokenizer)
-    request = ds[0]["request"]
+    request = env.build_dataset(tokenizer)[0]["request"]
     room = matching_room(env, request)
     first = call("search_rooms", city=request["city"], guests=request["guests"], max_price=request["max_price"])
-    policy = ScriptedPolicy(tokenizer, [call("book_room", room_id=room["room_id"])])
-    assert env.score_episode(policy, tokenizer, first, request=request) == 1.0
-    # the second turn saw the tool result and the tool schemas (the tiny template renders tools)
-    assert room["room_id"] in policy.prompts[0] and "search_rooms" in policy.prompts[0]
+    transcript = play(env, request, [first, call("book_room", room_id=room["room_id"])])
+    assert [m["role"] for m in transcript] == ["assistant", "tool", "assistant"]  # booked: the env ended it
+    assert room["room_id"] in transcript[1]["content"]  # the search's result showed the room
+    assert env.score_episode(None, tokenizer, transcript, request=request) == 1.0
 
 
 def test_hotel_scores_follow_the_booking(tokenizer):
@@ -82,18 +79,12 @@ def test_hotel_scores_follow_the_booking(tokenizer):
     wrong_city = next(r for r in env.rooms.values() if r["city"] != request["city"])
     met, total = env.wishes_met(wrong_city, request)
     assert met < total
-    assert env.score_episode(None, tokenizer, call("book_room", room_id=wrong_city["room_id"]), request=request) == (
-        pytest.approx(0.3 + 0.6 * met / total)
-    )
-    # a search in the right city, then the policy never books: 0.2
-    policy = ScriptedPolicy(tokenizer, ["I am not sure."])
-    assert env.score_episode(policy, tokenizer, call("search_rooms", city=request["city"]), request=request) == 0.2
-    # a well-formed call to an unknown tool, then chatter: 0.1; chatter only: 0.0 (the guest nudges once)
-    policy = ScriptedPolicy(tokenizer, ["hmm"])
-    assert env.score_episode(policy, tokenizer, call("dance"), request=request) == 0.1
-    policy = ScriptedPolicy(tokenizer, ["hmm"])
-    assert env.score_episode(policy, tokenizer, "hello", request=request) == 0.0
-    assert "Please search for rooms" in policy.prompts[0]
+    score = lambda replies: env.score_episode(None, tokenizer, play(env, request, replies), request=request)  # noqa: E731
+    assert score([call("book_room", room_id=wrong_city["room_id"])]) == pytest.approx(0.3 + 0.6 * met / total)
+    assert score([call("search_rooms", city=request["city"]), "I am not sure."]) == 0.2  # searched, never booked
+    assert score([call("dance"), "hmm"]) == 0.1  # a well-formed call to an unknown tool, then chatter
+    transcript = play(env, request, ["hello", "hmm"])
+    assert score(["hello", "hmm"]) == 0.0 and "Please search for rooms" in transcript[1]["content"]  # nudged
 
 
 def test_parse_tool_calls():

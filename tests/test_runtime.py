@@ -248,16 +248,6 @@ def _canonical(dicts: list[dict]) -> list[list]:
     return sorted(sorted(d.items()) for d in dicts)
 
 
-def test_hotel_turns_leave_sampling_to_the_runtime():
-    from grpo_pipeline.envs.hotel import HotelEnv
-    from grpo_pipeline.models import build_tiny_tokenizer
-
-    model = FakeModel()
-    model.device = torch.device("cpu")
-    HotelEnv()._next_turn(model, build_tiny_tokenizer(), [{"role": "user", "content": "a room please"}])
-    assert len(model.kwargs) == 1 and "do_sample" not in model.kwargs[0]
-
-
 # --- failure policy -------------------------------------------------------------------------------
 
 

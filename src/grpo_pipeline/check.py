@@ -41,8 +41,9 @@ def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.evaluation import generate
     from grpo_pipeline.models import load_model
     from grpo_pipeline.prompts import render_prompt
-    from grpo_pipeline.recipe import load_env_and_dataset, multi_turn_rollout
+    from grpo_pipeline.recipe import load_env_and_dataset
     from grpo_pipeline.runtime.episodes import EpisodeRunner, score_problem
+    from grpo_pipeline.runtime.rollout import make_rollout
 
     check_config(cfg)
     env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
@@ -65,7 +66,8 @@ def run_check(cfg: DictConfig) -> Report:
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sampling)
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
-    rollout = multi_turn_rollout(cfg, env, tokenizer, runner, [])
+    rollout = make_rollout(cfg, env, tokenizer, runner, [])
+    rollout = rollout if rollout is not None and rollout.multi_turn else None  # single turns: as TRL samples
     started = time.monotonic()
     failures = [None] * len(prompts)
     if rollout is None:
@@ -83,7 +85,7 @@ def run_check(cfg: DictConfig) -> Report:
                        f"{rollout.max_turns}); env tokens: mean {statistics.fmean(t.env_tokens for t in trajs):.0f}; "
                        f"cut by runtime.max_episode_tokens: {sum(t.cut for t in trajs)}")
         r.broken += [f"{f.splitlines()[0]}" for f in failures if f]
-    r.lines.append(f"generated {len(completions)} episodes ({len(rows)} prompts x {group}) "
+    r.lines.append(f"generated {len(completions)} {'episodes' if rollout else 'completions'} ({len(rows)} prompts x {group}) "
                    f"in {time.monotonic() - started:.1f}s")
     episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures])
     scores = []

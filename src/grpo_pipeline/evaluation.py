@@ -122,8 +122,8 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
 
 def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int,
              rollout=None) -> dict:
-    """Greedy episodes over `dataset` (multi-turn through `rollout` when the env has one); the RNG states are
-    left as they were, so evaluating does not change the training trajectory of a seeded run."""
+    """Greedy episodes over `dataset`, generated like training's (through `rollout`, when the run has one);
+    the RNG states are left as they were, so evaluating does not change a seeded run's training trajectory."""
     rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
     prompts = dataset["prompt"]
     with preserved_rng():
@@ -136,8 +136,10 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
             trajs = [t for start in range(0, len(prompts), batch_size)
                      for t in rollout.run(model, prompts[start : start + batch_size], rows[start : start + batch_size],
                                           GREEDY)]
-            episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
             completions = [t.text for t in trajs]
+            episodes, pre_failures = completions, None
+            if rollout.multi_turn:
+                episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
         scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
     return {
         "mean_reward": statistics.fmean(scores),

@@ -29,14 +29,14 @@ from grpo_pipeline.envs.loader import (
     importable_from,
     load_env,
 )
-from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation import Split, evaluate, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
-from grpo_pipeline.prompts import attach_tools, supports_tools
+from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.redact import mask_credentials, redact_log_records
 from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
 from grpo_pipeline.runtime.episodes import EpisodeRunner
+from grpo_pipeline.runtime.rollout import make_rollout
 from grpo_pipeline.tracking import Tracker, TrackingError, flatten
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
                            group_size=gen.num_generations)
-    rollout = multi_turn_rollout(cfg, env, tokenizer, runner, tool_functions)
+    rollout = make_rollout(cfg, env, tokenizer, runner, tool_functions)  # None: TRL generates
     lora_targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules) if cfg.lora.enabled else None
     with importable_from(launch_dir):  # reward components may live in the launch dir, like the env
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
@@ -144,22 +144,6 @@ def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | Non
     if not tool_functions:  # with tool functions TRL renders the prompts with their schemas itself
         dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__)
     return env, tokenizer, dataset, tool_functions
-
-
-def multi_turn_rollout(cfg: DictConfig, env, tokenizer, runner, tool_functions):
-    """The runtime's own multi-turn generation, for an env with a `respond` method (else None: TRL generates)."""
-    if not callable(getattr(env, "respond", None)):
-        return None
-    if tool_functions:
-        raise ConfigError(f"{type(env).__qualname__} has both respond() and get_tool_functions(): a multi-turn env "
-                          "runs its tools in respond; drop get_tool_functions.")
-    from grpo_pipeline.runtime.rollout import Rollout
-
-    return Rollout(env, tokenizer, runner,
-                   max_turns=int(getattr(env, "max_turns", None) or cfg.runtime.max_turns),
-                   turn_tokens=int(getattr(env, "turn_max_new_tokens", None) or cfg.generation.max_new_tokens),
-                   max_episode_tokens=cfg.runtime.max_episode_tokens,
-                   tools=get_tool_schemas(env) if supports_tools(tokenizer) else None)
 
 
 def sampling(gen) -> dict:

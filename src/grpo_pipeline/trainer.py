@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer and the one thing the pipeline adds to it: multi-turn rollouts the runtime generates.
+"""TRL's GRPOTrainer and the one thing the pipeline adds to it: rollouts the runtime generates.
 
 `PipelineTrainer` keeps the dataset rows of the batch being generated (a multi-turn env's `respond` and
 `score_episode` need the row's columns; TRL hands a `rollout_func` only the prompts). `rollout_func`
@@ -29,13 +29,17 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
         rows = [{k: x[k] for k in extra_columns} for x in trainer.current_rows]
         policy = trainer.accelerator.unwrap_model(trainer.model)
         trajs = rollout.run(policy, prompts, rows, sampling)
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
-        for key, value in episode_metrics(rollout, trajs).items():
-            metrics[key].append(value)
-        return {
+        out = {
             "prompt_ids": [t.prompt_ids for t in trajs],
             "completion_ids": [t.completion_ids for t in trajs],
             "logprobs": [t.logprobs for t in trajs],
+        }
+        if not rollout.multi_turn:  # TRL decodes the completion and scores it as text
+            return out
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
+        for key, value in episode_metrics(rollout, trajs).items():
+            metrics[key].append(value)
+        return out | {
             "env_mask": [t.env_mask for t in trajs],
             "transcript": [t.messages for t in trajs],  # what score_episode gets as `completion`
             "episode_failure": [t.failure for t in trajs],

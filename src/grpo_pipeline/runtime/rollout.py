@@ -1,4 +1,7 @@
-"""Multi-turn episodes that the runtime generates, turn by turn, for a whole batch at once.
+"""The runtime's own generation: episodes generated turn by turn, for a whole batch at once.
+
+Every env's completions are sampled here (single-turn envs: one turn), unless TRL must generate (its
+tool loop, vLLM); see `make_rollout`.
 
 An env with a `respond(messages, **row)` method owns the conversation, not the generation: the runtime
 samples turn k of every live episode in one batched `generate` call, asks the env (concurrently, with the
@@ -21,7 +24,9 @@ from typing import Any
 import torch
 from transformers.generation import utils as generation_utils
 
-from grpo_pipeline.prompts import env_turn_text, render_prompt
+from grpo_pipeline.envs.loader import get_tool_schemas
+from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
 
 GREEDY = {"do_sample": False}
 # transformers renamed generate's `past_key_values` to `cache` (5.2x)
@@ -49,10 +54,31 @@ class Trajectory:
         return "".join(str(m.get("content") or "") for m in self.messages if m.get("role") == "assistant")
 
 
+def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout | None":
+    """The runtime's own generation for this run, or None where TRL must generate (its tool loop for
+    `get_tool_functions`, vLLM). Multi-turn for an env with `respond`; a single turn otherwise (the same
+    batched generate with the shared-prefix cache, and exact log-probs)."""
+    multi_turn = callable(getattr(env, "respond", None))
+    if multi_turn and tool_functions:
+        raise ConfigError(f"{type(env).__qualname__} has both respond() and get_tool_functions(): a multi-turn env "
+                          "runs its tools in respond; drop get_tool_functions.")
+    if tool_functions or cfg.vllm.mode != "off":
+        return None
+    tools = get_tool_schemas(env) if supports_tools(tokenizer) else None
+    if not multi_turn:
+        tokens = cfg.generation.max_new_tokens
+        return Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=tokens, max_episode_tokens=tokens, tools=tools)
+    return Rollout(env, tokenizer, runner,
+                   max_turns=int(getattr(env, "max_turns", None) or cfg.runtime.max_turns),
+                   turn_tokens=int(getattr(env, "turn_max_new_tokens", None) or cfg.generation.max_new_tokens),
+                   max_episode_tokens=cfg.runtime.max_episode_tokens, tools=tools)
+
+
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None):
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
+        self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
         self.tools = tools
         self.eos_ids = _as_list(tokenizer.eos_token_id)
