@@ -162,8 +162,11 @@ def test_hotel_respond_runs_tools_and_scores_the_transcript():
     args = {k: request[k] for k in ("city", "guests", "max_price")}
     search = f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'
     reply = env.respond([{"role": "assistant", "content": search}], request)
-    found = json.loads(reply["content"])
+    listed = [line.split(":")[0] for line in reply["content"].splitlines()]
+    found = [env.rooms[room_id] for room_id in listed]
     assert reply["role"] == "tool" and found and all(r["city"] == request["city"] for r in found)
+    assert reply["content"].splitlines()[0] == f"{found[0]['room_id']}: {found[0]['capacity']} guests, " \
+        f"{found[0]['price']} EUR, {', '.join(found[0]['features']) or 'no extras'}"
     best = next(r for r in found if env.wishes_met(r, request)[0] == env.wishes_met(r, request)[1])
     book = f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": best["room_id"]}})}</tool_call>'
     assert env.respond([{"role": "assistant", "content": book}], request) is None  # booked: done

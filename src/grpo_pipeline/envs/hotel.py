@@ -32,6 +32,12 @@ NUDGE = "Please search for rooms and book one that meets all my wishes."
 MALFORMED = 'Your <tool_call> was not valid JSON. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
 
+def format_rooms(rooms: list[dict]) -> str:
+    """Search results as the model reads them: one short line per room (a JSON dump costs ~45 tokens a room)."""
+    return "\n".join(f"{r['room_id']}: {r['capacity']} guests, {r['price']} EUR, "
+                     f"{', '.join(r['features']) or 'no extras'}" for r in rooms)
+
+
 def parse_tool_calls(text: str) -> list[dict] | None:
     """The tool calls in an assistant turn; None when a <tool_call> block is malformed."""
     calls = []
@@ -128,9 +134,9 @@ class HotelEnv:
         return [
             {"role": "user", "content": _ask(request)},
             {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'},
-            {"role": "tool", "content": json.dumps([room])},
+            {"role": "tool", "content": format_rooms([room])},
             {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": room["room_id"]}})}</tool_call>'},
-            {"role": "tool", "content": json.dumps({"booked": True})},
+            {"role": "tool", "content": "booked"},
         ]
 
     # --- tools -------------------------------------------------------------------------------------
@@ -166,10 +172,11 @@ class HotelEnv:
             if name == "book_room":
                 return None
             if name == "search_rooms":
-                results.append(self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")}))
+                found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
+                results.append(format_rooms(found) if found else "no rooms match")
             else:
-                results.append({"error": f"unknown tool {name!r}"})
-        return {"role": "tool", "content": "\n".join(json.dumps(r) for r in results)}
+                results.append(f"error: unknown tool {name!r}")
+        return {"role": "tool", "content": "\n".join(results)}
 
     def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict, **_) -> float:
         """`completion`: the episode's messages after the opening (or, from older callers, the first reply)."""
