@@ -186,9 +186,9 @@ def test_resume_restores_the_checkpoints_optimizer_scheduler_and_rng_by_value(tm
 
 def test_sigterm_saves_a_checkpoint_and_marks_the_run_killed(tmp_path):
     project, run_dir = _project(tmp_path)
-    proc = _start(project, run_dir, "training.save_steps=100", "training.max_steps=50")
-    _wait(lambda: (run_dir / "mlflow_run_id").exists(), proc, "the MLflow run")
-    time.sleep(3)
+    log = tmp_path / "run.log"
+    proc = _start(project, run_dir, "training.save_steps=100", "training.max_steps=50", log=log)
+    _wait(lambda: "step 1/50 " in log.read_text(), proc, "the first step")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]

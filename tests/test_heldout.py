@@ -75,8 +75,8 @@ class ScriptedValidation:
     def __init__(self, scores):
         self.scores, self.weights, self.real = list(scores), [], recipe.evaluate
 
-    def __call__(self, model, tokenizer, runner, dataset, *args):
-        result = self.real(model, tokenizer, runner, dataset, *args)
+    def __call__(self, model, tokenizer, runner, dataset, *args, **kwargs):
+        result = self.real(model, tokenizer, runner, dataset, *args, **kwargs)
         if len(dataset) == 5:  # the validation set (val_prompts=5); the test set has 4
             self.weights.append(trainable_state(model))
             result["mean_reward"] = self.scores.pop(0)

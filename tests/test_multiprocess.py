@@ -2,6 +2,7 @@
 step with one checkpoint, and the MLflow run is KILLED; nothing hangs in a collective."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,22 +28,22 @@ def _rank_processes(launcher: psutil.Process) -> dict[int, psutil.Process]:
 
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     (tmp_path / "slow_env.py").write_text(SLOW_ENV)
-    run_dir = tmp_path / "run"
+    run_dir, log = tmp_path / "run", tmp_path / "ranks.log"
     launcher = subprocess.Popen(
         # torchrun starts 2 CPU processes (gloo); `accelerate launch --cpu` would start only one
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "grpo_pipeline",
          "model=tiny", "env=custom", "env._target_=slow_env.SlowEnv",
          "training.max_steps=200", "training.batch_size=2", "generation.num_generations=2",
          "generation.max_new_tokens=4", "eval.enabled=false", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.PIPE, text=True,  # noqa: SIM115
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 400
-    while not (run_dir / "mlflow_run_id").exists():  # rank 0 has started its MLflow run
+    while "step 2/200 " not in log.read_text():  # both ranks are training (a step is collective)
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.1)
     ranks = _rank_processes(psutil.Process(launcher.pid))
     assert set(ranks) == {0, 1}, ranks
-    time.sleep(2)  # a few steps in
     ranks[1].send_signal(signal.SIGTERM)  # only the non-main rank is told to stop
 
     _, err = launcher.communicate(timeout=300)  # no hang: both ranks leave

@@ -12,8 +12,8 @@ from conftest import tiny_overrides
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
 from grpo_pipeline.envs.hotel import HotelEnv
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.runtime.episodes import EpisodeRunner
-from grpo_pipeline.runtime.rollout import GREEDY, Rollout, SharedPrefix, generate
+from grpo_pipeline.runtime.episodes import GREEDY, EpisodeRunner
+from grpo_pipeline.runtime.rollout import Rollout, SharedPrefix, generate
 
 SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
 

@@ -16,7 +16,7 @@ from datasets import Dataset
 from grpo_pipeline.config.schema import EvalConfig
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import render_prompt
-from grpo_pipeline.runtime.episodes import EpisodeRunner
+from grpo_pipeline.runtime.episodes import GREEDY, EpisodeRunner
 
 log = logging.getLogger(__name__)
 AUTO_SHARE, AUTO_MAX_TEST, AUTO_MAX_VAL, MIN_SET = 0.1, 50, 32, 5
@@ -121,24 +121,21 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
 
 
 def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int,
-             rollout=None) -> dict:
+             rollout=None, cap_turn_tokens: int | None = None) -> dict:
     """Greedy episodes over `dataset`, generated like training's (through `rollout`, when the run has one);
     the RNG states are left as they were, so evaluating does not change a seeded run's training trajectory."""
     rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
     prompts = dataset["prompt"]
     with preserved_rng():
+        pre_failures = None
         if rollout is None:
-            completions, pre_failures = generate(model, tokenizer, prompts, max_new_tokens, batch_size), None
-            episodes = completions
+            completions = episodes = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
         else:
-            from grpo_pipeline.runtime.rollout import GREEDY
-
             trajs = [t for start in range(0, len(prompts), batch_size)
                      for t in rollout.run(model, prompts[start : start + batch_size], rows[start : start + batch_size],
-                                          GREEDY)]
-            completions = [t.text for t in trajs]
-            episodes, pre_failures = completions, None
-            if rollout.multi_turn:
+                                          GREEDY, turn_tokens=cap_turn_tokens)]
+            completions = episodes = [t.text for t in trajs]
+            if rollout.multi_turn:  # score_episode gets the whole episode's messages
                 episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
         scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
     return {

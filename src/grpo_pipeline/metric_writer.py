@@ -35,7 +35,6 @@ class MetricWriter:
         self.down_since: float | None = None
         self.last_error: str | None = None
         self.failed: str | None = None  # set once the store has been failing for longer than grace_s
-        self.written = 0
         self._thread = threading.Thread(target=self._loop, name="mlflow-metrics", daemon=True)
         self._thread.start()
 
@@ -68,7 +67,7 @@ class MetricWriter:
         return True
 
     def close(self, timeout: float) -> list:
-        """Flush, stop the thread and return what could not be written."""
+        """Flush what is released, stop the thread and return what was not written (held back or failed)."""
         self.flush(timeout)
         with self._cond:
             self._closed = True
@@ -99,6 +98,10 @@ class MetricWriter:
             try:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as e:  # retried: the store may be restarting or locked
+                if _permanent(e):  # the store refuses these values: retrying cannot help
+                    log.error("MLflow refused %d metric values (%s); they are dropped.", len(batch), _line(e))
+                    self._note_success(batch)
+                    continue
                 attempt += 1
                 self._note_failure(e)
             else:
@@ -111,7 +114,7 @@ class MetricWriter:
 
     def _note_failure(self, error: Exception) -> None:
         now = time.monotonic()
-        self.last_error = mask_credentials(f"{error.__class__.__name__}: {str(error).splitlines()[0][:300]}")
+        self.last_error = _line(error)
         if self.down_since is None:
             self.down_since = now
             log.warning("Writing metrics to MLflow failed (%s). Training goes on; the metrics are kept and "
@@ -124,8 +127,17 @@ class MetricWriter:
         with self._cond:
             written = {id(m) for m in batch}
             self._pending = [m for m in self._pending if id(m) not in written]
-            self.written += len(batch)
         if self.down_since is not None:
             log.warning("MLflow is reachable again after %.0fs; the kept metrics are being written.",
                         time.monotonic() - self.down_since)
             self.down_since = None
+
+
+def _line(error: BaseException) -> str:
+    line = (str(error).splitlines() or [""])[0]
+    return mask_credentials(f"{error.__class__.__name__}: {line}"[:300])
+
+
+def _permanent(error: BaseException) -> bool:
+    """An error the store will give again for the same values (not an outage)."""
+    return getattr(error, "error_code", None) in ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS")

@@ -56,7 +56,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     # 1. Everything that can be checked without weights.
     check_config(cfg)
     run_dir, checkpoint = resolve_resume(cfg.resume, cfg.output_dir)
-    env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir)
+    env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
     env_name = type(env).__qualname__
     split = Split(dataset, None, None)
     if cfg.eval.enabled:
@@ -66,6 +66,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
                            group_size=gen.num_generations)
     rollout = make_rollout(cfg, env, tokenizer, runner, tool_functions)  # None: TRL generates
+    if rollout is None and not tool_functions:  # TRL renders chat prompts without tools: give it text
+        split = Split(*(attach_tools(d, tokenizer, get_tool_schemas(env), env_name) if d is not None else None
+                        for d in (split.train, split.test, split.val)))
     lora_targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules) if cfg.lora.enabled else None
     with importable_from(launch_dir):  # reward components may live in the launch dir, like the env
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
@@ -79,6 +82,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     trainer = None
     stop = StopControl(tracker, max_minutes=cfg.training.max_minutes)
     try:
+        stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
         _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
                                  tool_functions, rollout, extra_columns)
@@ -87,7 +91,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
 
         def score(dataset):
-            return evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout)
+            return evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,
+                            cap_turn_tokens=cfg.eval.max_new_tokens)
 
         validation = _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, checkpoint, is_main)
         trainer.add_callback(stop)  # after validation: an early stop is decided in the same step
@@ -95,20 +100,23 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         if split.test is not None and cfg.eval.before and checkpoint is None and is_main:
             eval_before = score(split.test)
             log_eval(tracker, "eval_before", eval_before, step=0, now=True)  # a resumed run never repeats it
+        if stop.signum is not None:
+            raise TrainingStopped(f"Stopped by signal {stop.signum} before training started; nothing was trained.",
+                                  128 + stop.signum)
         train_started = time.monotonic()
-        stop.install()
-        try:
-            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        finally:
-            stop.uninstall()
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         train_seconds = time.monotonic() - train_started
-        if stop.signum is not None or stop.reason is not None:
+        completed = trainer.state.global_step >= trainer.state.max_steps or stop.stopped_early
+        if stop.reason is not None or (stop.signum is not None and not completed):
             why = f"by signal {stop.signum}" if stop.signum is not None else f"because {stop.reason}"
             raise TrainingStopped(
                 f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
                 f"{run_dir / 'checkpoints'}. Continue with: resume={run_dir}",
                 128 + stop.signum if stop.signum is not None else 3)
         model_path = _save_models(cfg, trainer, tokenizer, run_dir, validation) if cfg.training.save_model else None
+        if stop.signum is not None:  # training was over: keep the model, skip the rest
+            raise TrainingStopped(f"Stopped by signal {stop.signum} after training; the trained model is in "
+                                  f"{model_path}.", 128 + stop.signum)
         if split.test is not None and cfg.eval.after and is_main:
             eval_after = score(split.test)  # the weights in model/: the best validation step's
             log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
@@ -133,21 +141,25 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             pass
         tracker.end("KILLED" if stopped else "FAILED", unsent_path=run_dir / UNSENT_FILE)
         raise
+    finally:
+        stop.uninstall()
 
 
-def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | None = None) -> tuple[Any, Any, Any, list]:
-    """The env, the tokenizer (no weights), the checked dataset and the env's tool functions."""
+def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | None = None,
+                         render_tools: bool = True) -> tuple[Any, Any, Any, list]:
+    """The env, the tokenizer (no weights), the checked dataset and the env's tool functions. With
+    `render_tools`, chat prompts of an env with tool schemas are rendered to text with them."""
     env = load_env(OmegaConf.to_container(cfg.env, resolve=True), env, launch_dir)
     tokenizer = load_tokenizer(cfg.model)
     tool_functions = get_tool_functions(env, tokenizer)
     dataset = build_env_dataset(env, tokenizer)
-    if not tool_functions:  # with tool functions TRL renders the prompts with their schemas itself
+    if render_tools and not tool_functions:  # with tool functions TRL renders the prompts with their schemas
         dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__)
     return env, tokenizer, dataset, tool_functions
 
 
 def sampling(gen) -> dict:
-    """How the env's own turns sample in training (the same settings TRL samples the first turn with)."""
+    """How training samples: the runtime's turns, and the model calls of an env's own score_episode."""
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
 
 

@@ -60,10 +60,9 @@ def retry(call: Callable, grace_s: float, what: str):
             attempt += 1
             if time.monotonic() - started > grace_s:
                 raise TrackingError(f"MLflow: {what} failed for {grace_s:g}s (tracking.outage_grace_s): "
-                                    f"{mask_credentials(str(e).splitlines()[0][:300])}") from e
+                                    f"{first_line(e, 300)}") from e
             if attempt == 1:
-                log.warning("MLflow: %s failed (%s); retrying for up to %gs.", what,
-                            mask_credentials(str(e).splitlines()[0][:200]), grace_s)
+                log.warning("MLflow: %s failed (%s); retrying for up to %gs.", what, first_line(e, 200), grace_s)
             time.sleep(min(10.0, 0.5 * 2 ** (attempt - 1)))
 
 
@@ -182,17 +181,20 @@ class Tracker:
                   self._grace, f"logging artifact {Path(path).name}")
 
     def end(self, status: str = "FINISHED", unsent_path: Path | None = None) -> None:
-        """Write every queued metric (waiting up to the grace period), then close the run."""
+        """Write the queued metrics (waiting up to the grace period), then close the run. A run that did not
+        finish keeps its uncheckpointed steps out of MLflow (a resume replays them) and in `unsent_path`."""
         if not self.run_id:
             return
+        grace = self._grace
         writer, self.writer = self.writer, None
         if writer is not None:
-            writer.release(math.inf)
-            unsent = writer.close(timeout=self._grace)
+            if status == "FINISHED":
+                writer.release(math.inf)
+            unsent = writer.close(timeout=grace)
             if unsent:
-                self._keep_unsent(unsent, unsent_path, writer.last_error)
+                self._keep_unsent(unsent, unsent_path, writer.last_error, replayed=status != "FINISHED")
         try:
-            retry(lambda: self.client.set_terminated(self.run_id, status), self._grace,
+            retry(lambda: self.client.set_terminated(self.run_id, status), grace,
                   f"marking the run {status}")
         except TrackingError as e:
             log.error("%s", e)
@@ -206,8 +208,8 @@ class Tracker:
     def _repair(self, checkpoint: Path) -> None:
         from mlflow.entities import Metric
 
-        history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
-        step = max((h.get("step", 0) for h in history), default=0)
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        history, step = state["log_history"], state["global_step"]
         present: dict[str, set[int]] = {}
         missing = []
         now = int(time.time() * 1000)
@@ -219,8 +221,8 @@ class Tracker:
                 if key not in present:
                     present[key] = {m.step for m in retry(lambda k=key: self.client.get_metric_history(self.run_id, k),
                                                           self.cfg.outage_grace_s, "reading metric history")}
-                if entry["step"] not in present[key]:
-                    missing.append(Metric(key, value, now, entry["step"]))
+                if entry.get("step", 0) not in present[key]:
+                    missing.append(Metric(key, value, now, entry.get("step", 0)))
         for i in range(0, len(missing), 1000):
             chunk = missing[i : i + 1000]
             retry(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), self.cfg.outage_grace_s,
@@ -230,22 +232,32 @@ class Tracker:
                         len(missing), step)
         later = sorted({s for steps in present.values() for s in steps if s > step})
         if later:
-            log.warning("Resume: MLflow already has steps %s..%s after checkpoint step %d (from a run that failed "
-                        "rather than was killed); the resumed run logs those steps again.", later[0], later[-1], step)
+            log.warning("Resume: MLflow already has steps %s..%s after checkpoint step %d (written by an earlier "
+                        "version or by hand); the resumed run logs those steps again.", later[0], later[-1], step)
 
-    def _keep_unsent(self, unsent: list, path: Path | None, error: str | None) -> None:
+    def _keep_unsent(self, unsent: list, path: Path | None, error: str | None, replayed: bool = False) -> None:
         where = "nowhere (no run dir)"
         if path is not None:
             with open(path, "a") as f:
                 for m in unsent:
                     f.write(json.dumps({"key": m.key, "value": m.value, "step": m.step, "timestamp": m.timestamp}) + "\n")
             where = str(path)
-        log.error("MLflow: %d metric values could not be written (%s); they are kept in %s.",
-                  len(unsent), error or "store unreachable", where)
+        if replayed:  # held back: past the last checkpoint, which a resume starts from
+            log.warning("MLflow: %d metric values of steps after the last checkpoint were not written (a resume "
+                        "runs those steps again); they are kept in %s.", len(unsent), where)
+        else:
+            log.error("MLflow: %d metric values could not be written (%s); they are kept in %s.",
+                      len(unsent), error or "store unreachable", where)
 
 
 def _metric_key(key: str) -> str:
-    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)[:250]  # MLflow's limit
+
+
+def first_line(error: BaseException, limit: int) -> str:
+    """`ErrorClass: first line of the message`, credentials masked (the message may be empty)."""
+    line = (str(error).splitlines() or [""])[0]
+    return mask_credentials(f"{error.__class__.__name__}: {line}"[:limit])
 
 
 def numeric(logs: dict) -> dict[str, float]:
