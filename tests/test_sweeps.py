@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -316,3 +317,53 @@ def test_error_line():
         "Invalid config: training.batch_size=6 x 1"
     assert error_line(KeyError()) == "KeyError"
     assert error_line(OSError("https://user:pw@host/x unreachable\nmore")) == "https://***@host/x unreachable"
+
+
+def test_bootstrap_interval_on_known_data():
+    from grpo_pipeline.compare import bootstrap_difference, bootstrap_mean
+
+    assert bootstrap_mean([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)  # no spread, no interval
+    mean, low, high = bootstrap_mean([1.0, 2.0, 3.0])
+    assert mean == 2.0 and 1.0 <= low < 2.0 < high <= 3.0
+    # on a large normal sample the percentile interval is the textbook mean +- 1.96 sd / sqrt(n)
+    sample = np.random.default_rng(1).normal(0.5, 0.2, size=400)
+    mean, low, high = bootstrap_mean(sample)
+    half = 1.96 * sample.std(ddof=1) / np.sqrt(sample.size)
+    assert abs(low - (mean - half)) < 0.004 and abs(high - (mean + half)) < 0.004
+    low, high = bootstrap_difference([0.50, 0.51, 0.52], [0.10, 0.11, 0.12])
+    assert 0.38 <= low <= 0.40 <= high <= 0.42
+
+
+def _run(client, exp, name, after, overrides):
+    run = client.create_run(exp, run_name=name, tags={"overrides": overrides})
+    client.log_metric(run.info.run_id, "reward", 0.5, step=1)
+    client.log_metric(run.info.run_id, "eval_after/mean_reward", after)
+    client.set_terminated(run.info.run_id)
+
+
+def test_compare_groups_seeds_into_points_with_intervals(tmp_path, capsys):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("exp", artifact_location=(tmp_path / "a").as_uri())
+    scores = {"loss.kl_coef=0.0": [0.80, 0.82, 0.81],    # clearly best
+              "loss.kl_coef=0.05": [0.70, 0.90, 0.78],   # noisy: overlaps the best
+              "loss.kl_coef=0.1": [0.20, 0.22, 0.21]}    # clearly worse
+    for point, values in scores.items():
+        for seed, value in enumerate(values):
+            _run(client, exp, f"{point},seed={seed}", value, f"model=tiny {point} seed={seed}")
+    compare_main(["exp", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--out", str(tmp_path / "cmp")])
+    out = capsys.readouterr().out
+    section = out.split("Per point over seeds")[1].splitlines()
+    rows = {line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in section if "|" in line}
+    best = rows["loss.kl_coef=0.0"]
+    assert best[1:3] == ["3", "0.810"] and best[4] == "best"
+    assert rows["loss.kl_coef=0.05"][4].startswith("within seed noise")
+    assert rows["loss.kl_coef=0.1"][4].startswith("worse")
+    low, high = (float(x) for x in rows["loss.kl_coef=0.1"][3].split(".."))
+    assert 0.20 <= low <= 0.21 <= high <= 0.22
+    assert (tmp_path / "cmp" / "comparison_points.png").stat().st_size > 1000
+
+
+def test_seeded_sweep_preset_composes():
+    cfg = _hydra_compose(["+sweep=kl_x_generations_seeded"])
+    assert dict(cfg.hydra.sweeper.params) == {"loss.kl_coef": "0.0,0.05,0.1", "generation.num_generations": "4,8",
+                                              "seed": "0,1,2"}

@@ -5,11 +5,19 @@
 
 Given a sweep's parent run id, it compares that sweep's jobs; given an experiment name, all its runs.
 A failed run shows the first line of its `error` tag. URL credentials are masked in the table and plot.
+
+Runs that differ only in `seed` are one point: when a point has several finished seeds, a second table
+gives per point the mean held-out score (`eval_after/mean_reward`; the sorting metric where a run has no
+held-out score), a bootstrap 95% interval of that mean, and whether the point is distinguishable from the
+best one (the bootstrap interval of the difference of means excludes 0). comparison_points.png draws them.
 """
 
 import argparse
 import math
+import re
 from pathlib import Path
+
+import numpy as np
 
 from grpo_pipeline.redact import mask_credentials
 from grpo_pipeline.tracking import default_tracking_uri
@@ -48,9 +56,93 @@ def rows(runs, metric: str) -> list[dict]:
             "wall s": (end - r.info.start_time) / 1000 if end else None,
             "error": (r.data.tags.get("error") or "").strip().split("\n")[0] or None,
             "sort": m.get(metric),
+            "point": _point(r),
+            "score": m.get("eval_after/mean_reward", m.get(metric)),
         })
     return sorted(out, key=lambda x: (x["sort"] is None or x["status"] != "FINISHED",
                                       -(x["sort"] if x["sort"] is not None else -math.inf)))
+
+
+def _point(run) -> str:
+    """The sweep point a run belongs to: its overrides (or name) without the seed."""
+    name = run.info.run_name or run.info.run_id[:8]
+    label = re.sub(r"(^|,)seed=[^,]*", "", name).strip(",") or "(defaults)"
+    overrides = run.data.tags.get("overrides")
+    if overrides is None:
+        return label
+    return " ".join(sorted(o for o in overrides.split() if o.lstrip("+~").partition("=")[0] != "seed")) or label
+
+
+def bootstrap_mean(values, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """(mean, low, high): the percentile bootstrap interval of the mean of `values`."""
+    v = np.asarray(values, dtype=float)
+    means = np.random.default_rng(seed).choice(v, size=(n_boot, v.size)).mean(axis=1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(v.mean()), float(low), float(high)
+
+
+def bootstrap_difference(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of mean(a) - mean(b), the two resampled independently."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    diffs = rng.choice(a, size=(n_boot, a.size)).mean(axis=1) - rng.choice(b, size=(n_boot, b.size)).mean(axis=1)
+    low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def points(items: list[dict]) -> list[dict]:
+    """Finished runs grouped by point (seed dropped), best mean first; empty unless some point has 2+ seeds."""
+    groups: dict[str, list[float]] = {}
+    for item in items:
+        if item["status"] == "FINISHED" and item["score"] is not None:
+            groups.setdefault(item["point"], []).append(item["score"])
+    if not any(len(v) > 1 for v in groups.values()):
+        return []
+    common = set.intersection(*(set(point.split()) for point in groups))  # shown once, not on every row
+    out = []
+    for point, scores in groups.items():
+        mean, low, high = bootstrap_mean(scores)
+        shown = " ".join(t for t in point.split() if t not in common) or point
+        out.append({"point": shown, "seeds": len(scores), "mean": mean, "low": low, "high": high, "scores": scores})
+    out.sort(key=lambda p: -p["mean"])
+    best = out[0]
+    best["vs best"] = "best"
+    for p in out[1:]:
+        low, high = bootstrap_difference(best["scores"], p["scores"])
+        p["vs best"] = (f"worse (diff CI {low:+.3f}..{high:+.3f})" if low > 0 else
+                        f"within seed noise (diff CI {low:+.3f}..{high:+.3f})")
+    return out
+
+
+def points_table(pts: list[dict]) -> str:
+    head = ("point", "seeds", "mean", "95% CI", "vs best")
+    cells = [[mask_credentials(p["point"]), str(p["seeds"]), f"{p['mean']:.3f}", f"{p['low']:.3f}..{p['high']:.3f}",
+              p["vs best"]] for p in pts]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(head)]
+    lines = [" | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
+             "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def plot_points(pts: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(pts)))
+    ys = list(range(len(pts)))[::-1]
+    for y, p in zip(ys, pts, strict=True):
+        ax.errorbar(p["mean"], y, xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]], fmt="o", capsize=4,
+                    color="tab:blue" if p["vs best"] == "best" or p["vs best"].startswith("within") else "tab:gray")
+        ax.scatter(p["scores"], [y] * len(p["scores"]), s=10, color="black", alpha=0.5, zorder=3)
+    ax.set_yticks(ys, [f"{mask_credentials(p['point'])[:60]} (n={p['seeds']})" for p in pts], fontsize=7)
+    ax.set_xlabel("held-out mean reward after training: mean over seeds, bootstrap 95% interval, each seed")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def table(items: list[dict]) -> str:
@@ -96,10 +188,21 @@ def compare(client, target: str, metric: str = "reward", out_dir: Path | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "comparison.png"
     plot(client, items, png)
+    pts = points(items)
+    if pts:
+        text += ("\n\nPer point over seeds (held-out mean reward after training; bootstrap 95% interval of the mean;"
+                 " 'worse' = distinguishable from the best point):\n" + points_table(pts))
+        plot_points(pts, out_dir / "comparison_points.png")
     (out_dir / "comparison.txt").write_text(text + "\n")
     if parent:
-        client.log_artifact(parent, str(png))
-        client.log_artifact(parent, str(out_dir / "comparison.txt"))
+        for name in ("comparison.png", "comparison.txt", "comparison_points.png"):
+            if (out_dir / name).exists() and (name != "comparison_points.png" or pts):
+                client.log_artifact(parent, str(out_dir / name))
+        for i, p in enumerate(pts):
+            client.log_metric(parent, f"point{i}/mean", p["mean"])
+            client.log_metric(parent, f"point{i}/ci_low", p["low"])
+            client.log_metric(parent, f"point{i}/ci_high", p["high"])
+            client.set_tag(parent, f"point{i}", mask_credentials(f"{p['point']} (n={p['seeds']}): {p['vs best']}")[:5000])
     return text, png, items
 
 
