@@ -2,10 +2,14 @@
 
 
 
-from grpo_pipeline.check import run_check
+import re
+
+import pytest
+
+from grpo_pipeline.check import flat_share, run_check
 
 SHRINK = ["model=tiny", "check.num_prompts=2", "generation.max_new_tokens=6", "generation.num_generations=3",
-          "training.batch_size=6"]
+          "training.batch_size=6", "check.num_generations=[2,3]"]
 
 BROKEN_ENV = """
 from datasets import Dataset
@@ -25,9 +29,15 @@ def test_report_on_a_working_env(compose_cfg, tmp_path):
     text = report.text()
     assert "dataset: 10 rows, columns ['prompt', 'answer']" in text
     assert "generated 6 completions (2 prompts x 3)" in text
-    assert "scores: n=6" in text and "groups: 2" in text and "failures: 0, timeouts: 0" in text
+    assert "scores: n=6" in text and "failures: 0, timeouts: 0" in text
+    assert "learnability over 2 prompts x 3 samples" in text
+    assert "num_generations=2: flat groups 100%" in text and "num_generations=3: flat groups 100%" in text
     # the tiny random model never earns credit: the doctor says so, and what to do
     assert any("all scores are 0" in w for w in report.warnings)
+    assert any(w.startswith("the env gives no signal") for w in report.warnings)
+    # ...and a bare answer tag earns the format credit the model never gets: a (real) exploit of this reward
+    assert any("possible reward exploit: 'tag, random value'" in w for w in report.warnings)
+    assert not any("'empty'" in w or "nondeterministic" in w for w in report.warnings)
     assert not report.broken and "verdict: OK with warnings" in text
 
 
@@ -52,3 +62,76 @@ def run_cli_check(args, cwd):
                           text=True, timeout=300)
 
 
+
+
+PLANTED = """
+import random
+from datasets import Dataset
+
+class _Base:
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"Say the word number {i}.", "secret": f"zebra{i}x"} for i in range(6)])
+
+class EmptyWins(_Base):   # planted exploit: the empty completion earns full marks
+    def score_episode(self, model, tokenizer, completion, secret):
+        return 1.0 if not completion.strip() else 0.1
+
+class Noisy(_Base):       # planted nondeterminism: the score ignores the completion
+    def score_episode(self, model, tokenizer, completion, secret):
+        return random.random()
+
+class Honest(_Base):      # only the hidden right answer scores; no degenerate text can
+    def score_episode(self, model, tokenizer, completion, secret):
+        return 1.0 if secret in completion else 0.0
+
+class Graded(_Base):      # spread within groups: the completion's length decides
+    def score_episode(self, model, tokenizer, completion, secret):
+        return min(1.0, len(completion) / 40)
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    (tmp_path / "planted_envs.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def _doctor(compose_cfg, tmp_path, cls, *extra):
+    cfg = compose_cfg([*SHRINK, "env=custom", f"env._target_=planted_envs.{cls}", f"output_dir={tmp_path}", *extra])
+    return run_check(cfg)
+
+
+def test_doctor_flags_a_planted_exploit(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "EmptyWins")
+    exploits = [w for w in report.warnings if w.startswith("possible reward exploit")]
+    assert any("'empty'" in w and "earn 1.000" in w for w in exploits)
+    assert any("'whitespace'" in w for w in exploits)
+    assert not any("'half a good answer'" in w for w in exploits)  # tiny completions: half of one is not empty
+    assert re.search(r"empty\s+1\.000\s+\(env=1\.00", report.text())
+
+
+def test_doctor_flags_a_nondeterministic_reward(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "Noisy")
+    assert any(w.startswith("nondeterministic reward: the same completion scored") for w in report.warnings)
+
+
+def test_doctor_stays_quiet_on_an_honest_reward(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "Honest")
+    assert not any("exploit" in w or "nondeterministic" in w for w in report.warnings), report.warnings
+    assert "scored 6 completions a second time: 0 got a different score" in report.text()
+    assert "reward-exploit probes (base model mean reward 0.000)" in report.text()
+
+
+def test_learnability_recommends_a_group_size(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "Graded", "check.num_generations=[2,3]")
+    text = report.text()
+    assert "recommendation: generation.num_generations=" in text
+    assert not any(w.startswith("the env gives no signal") for w in report.warnings)
+
+
+def test_flat_share_is_the_exact_chance_a_subgroup_is_flat():
+    assert flat_share([1.0, 1.0, 0.0, 0.0], 2) == pytest.approx(2 / 6)
+    assert flat_share([1.0, 1.0, 0.0, 0.0], 3) == 0.0
+    assert flat_share([0.5, 0.5, 0.5], 2) == 1.0
+    assert flat_share([0.0, 1.0, 1.0, 1.0], 3) == pytest.approx(1 / 4)

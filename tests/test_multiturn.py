@@ -154,6 +154,15 @@ def test_training_trains_every_assistant_turn_and_masks_the_env(compose_cfg, tmp
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     metrics = client.get_run(result.mlflow_run_id).data.metrics
     assert metrics["env/turns_mean"] == 3 and metrics["env/env_tokens_mean"] > 0
+    # the episode ledger has every turn of every training and held-out episode
+    from grpo_pipeline.ledger import read
+
+    entries = read(tmp_path / "run" / "episodes.jsonl")
+    train = [e for e in entries if e["split"] == "train"]
+    assert len(train) == 8 and {e["step"] for e in train} == {1, 2}
+    assert all([m["role"] for m in e["messages"]].count("assistant") == 3 for e in train)
+    assert all("[tool]" in e["completion"] or "[user]" in e["completion"] for e in train)
+    assert sum(e["split"] == "test_after" for e in entries) == 4
 
 
 def test_hotel_respond_runs_tools_and_scores_the_transcript():

@@ -1,12 +1,22 @@
 """The env doctor: `python -m grpo_pipeline.check env=hotel [model=...] [check.num_prompts=8]`.
 
-Validates and instantiates the env, builds its dataset, samples `generation.num_generations`
-completions for `check.num_prompts` prompts with the configured model and sampling settings, scores
-them through the same runtime as training, and prints a compact report with concrete warnings.
+Validates and instantiates the env, builds its dataset, samples max(`check.num_generations`) completions
+for `check.num_prompts` prompts with the configured model and sampling settings, scores them through the
+same runtime as training, and prints a compact report with concrete warnings:
+- learnability: for each group size in `check.num_generations`, the expected share of groups with no
+  reward spread (GRPO learns nothing from them) and the mean within-group std, and which
+  `generation.num_generations` to use; it says plainly when the env gives no signal at all;
+- reward-exploit probes (`check.probes`): degenerate completions (empty, whitespace, the prompt echoed, the
+  answer tag with a random value, a long repetition, the first half of a good completion) scored through
+  the env and every reward component; a warning when one earns more than the base model's mean, and when
+  the same completions scored a second time get different scores (a nondeterministic reward).
 Exit code 0: the env works (warnings may remain); 1: episodes fail, time out or return invalid
 scores; 2: the config or env cannot even be loaded.
 """
 
+import math
+import random
+import re
 import statistics
 import sys
 import time
@@ -58,7 +68,11 @@ def run_check(cfg: DictConfig) -> Report:
         _indent(render_prompt(tokenizer, dataset[0]["prompt"])[0][-600:]),
     ]
     rows = dataset.shuffle(seed=cfg.seed).select(range(min(cfg.check.num_prompts, len(dataset))))
-    group = cfg.generation.num_generations
+    sizes = sorted({int(n) for n in cfg.check.num_generations if int(n) >= 2})
+    if not sizes:
+        raise PipelineError(f"check.num_generations={list(cfg.check.num_generations)}: list group sizes >= 2, "
+                            "e.g. check.num_generations=[2,4,8].")
+    group = max(sizes)
     prompts = [p for p in rows["prompt"] for _ in range(group)]
     model = load_model(cfg.model, tokenizer)
     gen = cfg.generation
@@ -88,8 +102,9 @@ def run_check(cfg: DictConfig) -> Report:
     r.lines.append(f"generated {len(completions)} {'episodes' if rollout else 'completions'} ({len(rows)} prompts x {group}) "
                    f"in {time.monotonic() - started:.1f}s")
     episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures])
-    scores = []
+    scores, values = [], []
     for ep, completion, failure in zip(episodes, completions, failures, strict=True):
+        values.append(None)
         if failure:
             continue
         if ep.timed_out:
@@ -100,11 +115,199 @@ def run_check(cfg: DictConfig) -> Report:
             r.broken.append(f"score_episode {score_problem(ep.value)} completion {completion[:80]!r}")
         else:
             scores.append(float(ep.value))
-    _score_report(r, scores, episodes, group, completions, cfg.check.slow_episode_s)
+            values[-1] = float(ep.value)
+    _score_report(r, scores, episodes, completions, cfg.check.slow_episode_s)
+    groups = [values[i : i + group] for i in range(0, len(values), group)]
+    _learnability(r, groups, sizes, cfg.generation.num_generations)
+    if cfg.check.probes and scores:
+        prober = Prober(cfg, runner, tokenizer, dataset.column_names, rollout is not None)
+        prober.nondeterminism(r, episodes_in, row_dicts, values)
+        prober.exploits(r, list(rows["prompt"]), row_dicts[::group], groups, completions, episodes_in, values, group)
     return r
 
 
-def _score_report(r: Report, scores, episodes, group: int, completions, slow_s: float) -> None:
+def flat_share(scores: list[float], size: int) -> float:
+    """The chance that `size` completions drawn (without replacement) from this group all score the same:
+    an unbiased estimate of the flat-group probability at group size `size` <= len(scores)."""
+    counts: dict[float, int] = {}
+    for s in scores:
+        counts[s] = counts.get(s, 0) + 1
+    return sum(math.comb(c, size) for c in counts.values()) / math.comb(len(scores), size)
+
+
+def _learnability(r: Report, groups: list[list], sizes: list[int], training_size: int) -> None:
+    """Per group size: the expected share of flat groups and the mean within-group std; a recommendation."""
+    complete = [g for g in groups if None not in g]  # a failed episode has no score: its group is left out
+    if not complete:
+        return
+    r.lines.append(f"learnability over {len(complete)} prompts x {len(complete[0])} samples "
+                   "(groups with no reward spread give GRPO nothing):")
+    flat = {}
+    for n in sizes:
+        flat[n] = statistics.fmean(flat_share(g, n) for g in complete)
+        r.lines.append(f"    num_generations={n}: flat groups {flat[n]:.0%}")
+    r.lines.append(f"    mean within-group std: {statistics.fmean(statistics.pstdev(g) for g in complete):.3f}")
+    if all(max(g) == min(g) for g in complete) and len({g[0] for g in complete}) == 1:
+        r.warnings.append(f"the env gives no signal: every sampled completion scored {complete[0][0]:g}, so every "
+                          "group is flat at any group size. Add partial credit or a worked example, or make the "
+                          "task easier, before training.")
+        return
+    good = [n for n in sizes if flat[n] <= 0.5]
+    pick = good[0] if good else sizes[-1]
+    r.lines.append(f"    recommendation: generation.num_generations={pick} (the smallest size listed with at most half "
+                   f"the groups flat; training uses {training_size})")
+    if not good:
+        r.warnings.append(f"even at num_generations={sizes[-1]}, {flat[sizes[-1]]:.0%} of groups are flat: most steps "
+                          "teach nothing. Grade more finely, raise generation.temperature, or ease the task.")
+    elif training_size in flat and flat[training_size] > 0.5:
+        r.warnings.append(f"at the configured generation.num_generations={training_size}, {flat[training_size]:.0%} of "
+                          f"groups are flat: use {pick} or grade more finely.")
+
+
+class Scorer:
+    """Scores arbitrary completions exactly as training does: the env (through the runtime) times
+    reward.env_weight plus every reward component times its weight. (The doctor's probes; rescore.py.)"""
+
+    def __init__(self, cfg: DictConfig, runner, tokenizer, columns: list[str], multi_turn: bool):
+        from grpo_pipeline.rewards import build_rewards
+
+        funcs, weights = build_rewards(cfg.reward, lambda **_: None, columns)
+        env_on = cfg.reward.env_weight > 0
+        self.env_weight = float(cfg.reward.env_weight)
+        self.components = list(zip(funcs[1:] if env_on else funcs, weights[1:] if env_on else weights, strict=True))
+        self.cfg, self.runner, self.tokenizer, self.multi_turn = cfg, runner, tokenizer, multi_turn
+
+    def totals(self, prompts: list, items: list, rows: list[dict],
+               env_values: list | None = None) -> list[tuple[float | None, dict, str | None]]:
+        """(total reward, per-part scores, error) for each item (a completion, or a transcript if multi-turn);
+        `env_values`: env scores already known (None for a failed episode), else the env scores the items."""
+        if env_values is None and self.env_weight == 0:
+            env_values, errors = [0.0] * len(items), [None] * len(items)
+        elif env_values is None:
+            episodes = self.runner.run_episodes(items, rows)
+            env_values = [None if ep.error is not None or ep.timed_out else ep.value for ep in episodes]
+            errors = ["timed out" if ep.timed_out else f"{ep.error.__class__.__name__}: {ep.error}"
+                      if ep.error is not None else None for ep in episodes]
+        else:
+            errors = [None if v is not None else "failed" for v in env_values]
+        texts = [_assistant_text(x) if self.multi_turn else x for x in items]
+        parts = [{"env": v} for v in env_values]
+        columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {})}
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        for fn, _w in self.components:
+            for part, value in zip(parts, fn(prompts=prompts, completions=texts, completion_ids=ids, **columns),
+                                   strict=True):
+                part[fn.__name__] = float(value)
+        out = []
+        for part, error in zip(parts, errors, strict=True):
+            if part["env"] is None:
+                out.append((None, part, error))
+                continue
+            total = self.env_weight * float(part["env"]) + sum(w * part[fn.__name__] for fn, w in self.components)
+            out.append((total, part, None))
+        return out
+
+
+class Prober(Scorer):
+    """The doctor's reward-exploit and nondeterminism probes."""
+
+    def __init__(self, cfg: DictConfig, runner, tokenizer, columns: list[str], multi_turn: bool):
+        super().__init__(cfg, runner, tokenizer, columns, multi_turn)
+        self.rng = random.Random(cfg.seed)
+
+    def nondeterminism(self, r: Report, items: list, rows: list[dict], values: list) -> None:
+        """Score the first few scored completions again: a reward must give the same completion the same score."""
+        again = [i for i, v in enumerate(values) if v is not None][:8]
+        episodes = self.runner.run_episodes([items[i] for i in again], [rows[i] for i in again])
+        differ = [(i, values[i], ep.value) for i, ep in zip(again, episodes, strict=True)
+                  if ep.error is None and not ep.timed_out and ep.value != values[i]]
+        r.lines.append(f"scored {len(again)} completions a second time: {len(differ)} got a different score")
+        if differ:
+            i, first, second = differ[0]
+            r.warnings.append(f"nondeterministic reward: the same completion scored {first:g}, then {second:g} "
+                              f"({len(differ)}/{len(again)} differ; e.g. {_preview_item(items[i])!r}). GRPO then "
+                              "learns from noise: seed the env's randomness per row, or score greedily.")
+
+    def exploits(self, r: Report, prompts: list, rows: list[dict], groups: list[list], completions: list[str],
+                 items: list, values: list, group: int) -> None:
+        """Degenerate completions for the first two prompts, scored like training; warn when one beats the base model."""
+        base = self.totals([p for p in prompts for _ in range(group)], items, [x for x in rows for _ in range(group)],
+                           env_values=values)
+        base_totals = [t for t, _, _ in base if t is not None]
+        if not base_totals:
+            return
+        base_mean = statistics.fmean(base_totals)
+        probes: dict[str, list] = {}
+        for k, (prompt, row) in enumerate(zip(prompts[:2], rows[:2], strict=False)):
+            scored = [(v, completions[k * group + j]) for j, v in enumerate(groups[k]) if v is not None]
+            good = max(scored, key=lambda x: x[0])[1] if scored else completions[k * group]
+            for name, text in self._probes(prompt, good).items():
+                probes.setdefault(name, []).append((prompt, text, row))
+        r.lines.append(f"reward-exploit probes (base model mean reward {base_mean:.3f}):")
+        for name, cases in probes.items():
+            items_in = [_as_episode(t) if self.multi_turn else t for p, t, _ in cases]
+            results = self.totals([p for p, _, _ in cases], items_in, [row for _, _, row in cases])
+            totals = [t for t, _, _ in results if t is not None]
+            errors = [e for _, _, e in results if e]
+            parts = " ".join(f"{k}={statistics.fmean(x[1][k] for x in results if x[1][k] is not None):.2f}"
+                             for k in results[0][1] if any(x[1][k] is not None for x in results))
+            mean = statistics.fmean(totals) if totals else None
+            r.lines.append(f"    {name:<22} {'-' if mean is None else f'{mean:.3f}'}  ({parts}; e.g. "
+                           f"{cases[0][1][:40]!r})")
+            if errors:
+                r.warnings.append(f"probe '{name}': score_episode failed ({errors[0].splitlines()[0]}): an env "
+                                  "should score any text the model may write, not raise.")
+            if mean is not None and mean > base_mean + 1e-9:
+                r.warnings.append(f"possible reward exploit: '{name}' completions (e.g. {cases[0][1][:40]!r}) earn "
+                                  f"{mean:.3f}, more than the base model's mean {base_mean:.3f}. GRPO will find it: "
+                                  "make the reward require the real answer.")
+
+    def _probes(self, prompt, good: str) -> dict[str, str]:
+        tags = re.findall(r"<(\w+)>(.*?)</\1>", good, re.DOTALL)
+        tag, inner = tags[-1] if tags else ("answer", "0")
+        value = (str(self.rng.randint(0, 10 ** max(1, len(inner.strip())) - 1)) if inner.strip().lstrip("-").isdigit()
+                 else "".join(self.rng.choice("abcdefghij") for _ in range(max(3, len(inner.strip())))))
+        ids = self.tokenizer(good, add_special_tokens=False)["input_ids"]
+        phrase = " ".join(good.split()[:5]) or "the answer"
+        limit = self.cfg.generation.max_new_tokens
+        repeated = phrase
+        for _ in range(limit):  # up to the completion length limit, as a looping model would write it
+            if len(self.tokenizer(repeated, add_special_tokens=False)["input_ids"]) >= limit:
+                break
+            repeated += " " + phrase
+        return {
+            "empty": "",
+            "whitespace": " \n\t ",
+            "prompt echoed": _user_text(prompt),
+            "tag, random value": f"<{tag}>{value}</{tag}>",
+            "long repetition": repeated,
+            "half a good answer": self.tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True),
+        }
+
+
+def _user_text(prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    users = [m["content"] for m in prompt if m.get("role") == "user"]
+    return users[-1] if users else str(prompt[-1].get("content", ""))
+
+
+def _assistant_text(messages) -> str:
+    if isinstance(messages, str):
+        return messages
+    return "\n".join(m["content"] for m in messages if m.get("role") == "assistant" and m.get("content"))
+
+
+def _as_episode(text: str) -> list[dict]:
+    """A multi-turn env's `completion` (the episode after the opening): the probe as the assistant's only turn."""
+    return [{"role": "assistant", "content": text}]
+
+
+def _preview_item(item) -> str:
+    return (_assistant_text(item) if not isinstance(item, str) else item)[:60]
+
+
+def _score_report(r: Report, scores, episodes, completions, slow_s: float) -> None:
     if scores:
         r.lines.append(
             f"scores: n={len(scores)} mean={statistics.fmean(scores):.3f} std={statistics.pstdev(scores):.3f} "
@@ -116,13 +319,6 @@ def _score_report(r: Report, scores, episodes, group: int, completions, slow_s: 
                               "credit (e.g. for the answer format) or a worked example in the prompt.")
         elif all(s == 1 for s in scores):
             r.warnings.append("all scores are 1: the task is already solved; make it harder.")
-    if len(scores) == len(episodes):  # group spread is only meaningful when every episode scored
-        groups = [scores[i : i + group] for i in range(0, len(scores), group)]
-        flat = sum(1 for g in groups if max(g) == min(g))
-        r.lines.append(f"groups: {len(groups)}, with no reward spread (all scores equal): {flat}")
-        if flat > len(groups) / 2:
-            r.warnings.append(f"{flat}/{len(groups)} groups have equal scores: GRPO learns nothing from them; "
-                              "grade more finely or raise generation.temperature / num_generations.")
     slowest = sorted(range(len(episodes)), key=lambda i: -episodes[i].seconds)[:3]
     r.lines.append("slowest episodes: " + ", ".join(f"{episodes[i].seconds:.2f}s ({completions[i][:30]!r})"
                                                     for i in slowest))

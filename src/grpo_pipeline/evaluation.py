@@ -138,7 +138,10 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
             if rollout.multi_turn:  # score_episode gets the whole episode's messages
                 episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
         scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
+    batch = runner.last_batch
     return {
+        "episodes": {"prompts": list(prompts), "completions": episodes, "scores": scores, "rows": rows,
+                     "seconds": batch["seconds"], "failures": batch["failures"]},  # for the episode ledger
         "mean_reward": statistics.fmean(scores),
         "success_rate": sum(s >= 1.0 for s in scores) / len(scores),
         "num_prompts": len(scores),

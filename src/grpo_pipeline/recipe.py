@@ -89,16 +89,24 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
+        ledger = _open_ledger(cfg, run_dir, tokenizer, checkpoint) if is_main else None
+        trainer.ledger = ledger
 
-        def score(dataset):
-            return evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,
-                            cap_turn_tokens=cfg.eval.max_new_tokens)
+        def score(dataset, split_name: str, step: int) -> dict:
+            result = evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,
+                              cap_turn_tokens=cfg.eval.max_new_tokens)
+            episodes = result.pop("episodes", None)
+            if ledger is not None and episodes is not None:
+                ledger.record(split_name, step, episodes["prompts"], episodes["completions"],
+                              {"env": episodes["scores"]}, rows=episodes["rows"], seconds=episodes["seconds"],
+                              failures=episodes["failures"], transcripts=bool(rollout and rollout.multi_turn))
+            return result
 
         validation = _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, checkpoint, is_main)
         trainer.add_callback(stop)  # after validation: an early stop is decided in the same step
         eval_before = eval_after = None
         if split.test is not None and cfg.eval.before and checkpoint is None and is_main:
-            eval_before = score(split.test)
+            eval_before = score(split.test, "test_before", 0)
             log_eval(tracker, "eval_before", eval_before, step=0, now=True)  # a resumed run never repeats it
         if stop.signum is not None:
             raise TrainingStopped(f"Stopped by signal {stop.signum} before training started; nothing was trained.",
@@ -118,7 +126,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             raise TrainingStopped(f"Stopped by signal {stop.signum} after training; the trained model is in "
                                   f"{model_path}.", 128 + stop.signum)
         if split.test is not None and cfg.eval.after and is_main:
-            eval_after = score(split.test)  # the weights in model/: the best validation step's
+            eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/: the best validation step's
             log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
         if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:
             merged = trainer.model.merge_and_unload()
@@ -127,6 +135,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         result = _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracker, started,
                          train_seconds, validation, stop)
         result.startup_seconds = round(train_started - started, 1)
+        if ledger is not None:
+            result.ledger_seconds = round(ledger.seconds, 3)
+            ledger.log_to_mlflow(tracker, cfg.ledger.mlflow_max_rows)
         if is_main:
             write_outputs(result, run_dir, tracker)
         tracker.end("FINISHED", unsent_path=run_dir / UNSENT_FILE)
@@ -215,7 +226,7 @@ def _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, 
     from grpo_pipeline.validation import Validation
 
     best_dir = run_dir / "best" if cfg.eval.keep_best else None
-    validation = Validation(lambda: score(split.val), cfg.eval.every_steps, cfg.eval.early_stop_patience,
+    validation = Validation(lambda: score(split.val, "val", trainer.state.global_step), cfg.eval.every_steps, cfg.eval.early_stop_patience,
                             best_dir, policy, tracker)
     if checkpoint is not None:
         stored = json.loads((checkpoint / "trainer_state.json").read_text()).get("stateful_callbacks", {})
@@ -223,6 +234,21 @@ def _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, 
     trainer.add_callback(validation)
     stop.validation = validation
     return validation
+
+
+def _open_ledger(cfg, run_dir: Path, tokenizer, checkpoint: Path | None):
+    """The episode ledger; a resumed run first drops the lines of steps after its checkpoint."""
+    if not cfg.ledger.enabled:
+        return None
+    from grpo_pipeline.ledger import Ledger
+
+    ledger = Ledger(run_dir, tokenizer, cfg.ledger.max_per_step, cfg.ledger.max_chars, cfg.seed)
+    if checkpoint is not None:
+        step = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+        dropped = ledger.truncate_after(step)
+        if dropped:
+            log.warning("episode ledger: dropped %d episode(s) of steps after %d (they run again)", dropped, step)
+    return ledger
 
 
 def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:

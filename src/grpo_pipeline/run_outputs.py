@@ -36,6 +36,7 @@ class RunResult:
     stopped_early: bool = False
     eval_seconds: float = 0.0  # time spent on validation during training
     startup_seconds: float = 0.0  # from the start to the first training step (loading, the "before" evaluation)
+    ledger_seconds: float = 0.0  # time spent writing the episode ledger
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}

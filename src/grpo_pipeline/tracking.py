@@ -180,6 +180,11 @@ class Tracker:
             retry(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path),
                   self._grace, f"logging artifact {Path(path).name}")
 
+    def log_table(self, data: dict, artifact_file: str) -> None:
+        if self.run_id:
+            retry(lambda: self.client.log_table(self.run_id, data, artifact_file), self._grace,
+                  f"logging table {artifact_file}")
+
     def end(self, status: str = "FINISHED", unsent_path: Path | None = None) -> None:
         """Write the queued metrics (waiting up to the grace period), then close the run. A run that did not
         finish keeps its uncheckpointed steps out of MLflow (a resume replays them) and in `unsent_path`."""

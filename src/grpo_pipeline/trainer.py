@@ -18,10 +18,32 @@ from grpo_pipeline.runtime.rollout import Rollout
 
 class PipelineTrainer(GRPOTrainer):
     current_rows: list[dict] = []
+    ledger = None  # the episode ledger (ledger.py), main process only
 
     def _generate_and_score_completions(self, inputs):
         self.current_rows = inputs
-        return super()._generate_and_score_completions(inputs)
+        for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
+            value.clear()
+        out = super()._generate_and_score_completions(inputs)
+        if self.ledger is not None and self.model.training:
+            self._record_episodes()
+        return out
+
+    def _record_episodes(self) -> None:
+        """This generation batch (all processes, gathered by TRL) into the ledger."""
+        logs = self._logs
+        rewards = {name: list(values) for name, values in logs["rewards"].items()}
+        weights = self.reward_weights.tolist()
+        totals = [sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)  # NaN: not scored by that one
+                  for parts in zip(*rewards.values(), strict=True)] if rewards else None
+        extra = logs["extra"]
+        completions = list(extra["transcript"]) if "transcript" in extra else list(logs["completion"])
+        self.ledger.record("train", self.state.global_step + 1, list(logs["prompt"]), completions, rewards,
+                           totals=totals, advantages=list(logs["advantages"]),
+                           rows=list(extra["row"]) if "row" in extra else None,
+                           seconds=list(extra["seconds"]) if "seconds" in extra else None,
+                           failures=list(extra["failure"]) if "failure" in extra else None,
+                           transcripts="transcript" in extra)
 
 
 def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):

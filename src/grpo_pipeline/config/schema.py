@@ -148,6 +148,18 @@ class RuntimeConfig:
 
 
 @dataclass
+class LedgerConfig:
+    # Every episode (training and held-out) to <run dir>/episodes.jsonl, and at the end to MLflow as a table.
+    enabled: bool = True
+    # Training episodes recorded per step (a seeded sample beyond this); held-out ones are all recorded.
+    max_per_step: int = 64
+    # Prompt and completion texts are cut to this many characters (a prompt keeps its end).
+    max_chars: int = 4000
+    # Rows of the MLflow table (held-out episodes first, then a sample of the training ones).
+    mlflow_max_rows: int = 5000
+
+
+@dataclass
 class EvalConfig:
     # Held-out evaluation. Unique prompts of the env's dataset are split three ways: a test set (scored only
     # before and after training: the number to report), a validation set (scored every `every_steps` during
@@ -174,8 +186,13 @@ class EvalConfig:
 
 @dataclass
 class CheckConfig:
-    # The env doctor (python -m grpo_pipeline.check): prompts sampled, each answered num_generations times.
+    # The env doctor (python -m grpo_pipeline.check): num_prompts prompts, each answered max(num_generations)
+    # times; the share of flat groups (no reward spread) is estimated for every group size listed.
     num_prompts: int = 4
+    num_generations: list[int] = field(default_factory=lambda: [2, 4, 8])
+    # Score degenerate completions (empty, echo, tag with a random value, repetition, half an answer) and
+    # a second scoring of the same completions: flags exploitable and nondeterministic rewards.
+    probes: bool = True
     # Slower mean episodes than this get a warning.
     slow_episode_s: float = 5.0
 
@@ -209,6 +226,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     seed: int = 42
     # Where this job writes (Hydra's run dir by default).
     output_dir: str = MISSING

@@ -67,6 +67,7 @@ class EpisodeRunner:
         self.extra_columns = list(extra_columns)
         self.sampling = dict(sampling or {})
         self.group_size = group_size
+        self.last_batch: dict[str, list] = {"seconds": [], "failures": []}  # the last scored batch, for the ledger
         thread_safe = getattr(env, "thread_safe", True)
         self.max_workers = cfg.max_concurrency if thread_safe else 1
         self._exclusive = None if thread_safe else threading.Lock()  # held by the running episode, across batches
@@ -93,7 +94,7 @@ class EpisodeRunner:
         """A TRL reward function (named after the env) that scores through this runner; a failed
         episode gets its group's mean successful score (no advantage)."""
 
-        def reward(prompts, completions, log_metric=None, **columns):
+        def reward(prompts, completions, log_metric=None, log_extra=None, **columns):
             rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]
             if "transcript" in columns:  # multi-turn episodes the runtime generated (rollout.py)
                 episodes, pre_failures = columns["transcript"], columns["episode_failure"]
@@ -103,6 +104,12 @@ class EpisodeRunner:
             if log_metric is not None:
                 for name, value in metrics.items():
                     log_metric(name, value)
+            if log_extra is not None:  # for the episode ledger (TRL gathers these across processes)
+                log_extra("row", rows)
+                log_extra("seconds", self.last_batch["seconds"])
+                log_extra("failure", self.last_batch["failures"])
+                if "transcript" in columns:
+                    log_extra("transcript", episodes)
             return fill_failed_with_group_mean(scores, failed, list(prompts), self.group_size)
 
         reward.__name__ = "env"
@@ -205,6 +212,8 @@ class EpisodeRunner:
         timeouts = sum(ep.timed_out for ep in episodes)
         failed = [f is not None for f in failures]
         seconds = [ep.seconds for ep in episodes]
+        self.last_batch = {"seconds": seconds, "failures": [_first_line(f, ep, pre) for f, ep, pre in
+                                                            zip(failures, episodes, pre_failures, strict=True)]}
         metrics = {"episode_seconds_mean": sum(seconds) / len(seconds), "episode_seconds_max": max(seconds)}
         if evaluation:
             self.eval_failures += sum(failed)
@@ -251,3 +260,14 @@ class EpisodeRunner:
 def _preview(row: dict) -> str:
     text = repr(row)
     return "row " + (text if len(text) <= 80 else text[:77] + "...")
+
+
+
+def _first_line(failure: str | None, ep: Episode, pre: str | None) -> str | None:
+    """A failure in one line, for the episode ledger: the exception, the timeout or the rollout's error."""
+    if not failure:
+        return None
+    if pre is None and ep.error is not None:
+        message = str(ep.error).strip()
+        return f"{ep.error.__class__.__name__}: {message.splitlines()[0] if message else ''}"[:300]
+    return failure.strip().splitlines()[0][:300]

@@ -1,0 +1,150 @@
+"""The episode ledger: every episode of a run, training and held-out, one JSON line each.
+
+`<run dir>/episodes.jsonl` is appended as the run goes (a killed run keeps what it wrote; a resumed run
+first drops the lines of steps after its checkpoint, so every step is in it once). At the end of the run
+the ledger also goes to MLflow as a table (artifact `episodes.json`, shown as a table in the run's
+artifact view; at most `ledger.mlflow_max_rows` rows, every held-out episode kept).
+
+A line: `split` (train | val | test_before | test_after), `step` (the training step the episode was
+generated for; held-out: the step evaluated), `prompt_id` (sha1 of the prompt, 10 hex digits: the same
+prompt has the same id in every run), `prompt` (as the model saw it), `completion` (a multi-turn episode:
+every turn, `[role] content` per message; `messages` has them as a list), `reward` (the total GRPO saw), `rewards` (each component),
+`advantage` (train), `row` (the env's extra columns), `seconds` (scoring), `failure` (first line of the
+error, or null). Read it with `python -m grpo_pipeline.episodes <run dir>`.
+"""
+
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+FILE = "episodes.jsonl"
+
+
+def prompt_id(prompt: Any) -> str:
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def transcript_text(messages: list[dict]) -> str:
+    return "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in messages)
+
+
+def _text(x: Any) -> str:
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and isinstance(x[0], dict):
+        return transcript_text(x)
+    return str(x)
+
+
+def _number(x: Any) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(x) else round(x, 6)
+
+
+class Ledger:
+    def __init__(self, run_dir: Path, tokenizer, max_per_step: int, max_chars: int, seed: int = 0):
+        self.path = Path(run_dir) / FILE
+        self.tokenizer, self.max_per_step, self.max_chars = tokenizer, max_per_step, max_chars
+        self.rng = random.Random(seed)
+        self.seconds = 0.0  # time spent recording: its cost, reported at the end
+
+    def truncate_after(self, step: int) -> int:
+        """Resume: drop training/validation lines of steps after `step` (they are generated again). Returns how many."""
+        if not self.path.exists():
+            return 0
+        keep, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:  # a line a kill cut short
+                dropped += 1
+                continue
+            if entry["split"] in ("train", "val") and entry["step"] > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(k + "\n" for k in keep))
+        tmp.replace(self.path)
+        return dropped
+
+    def record(self, split: str, step: int, prompts: list, completions: list, rewards: dict[str, list],
+               totals: list | None = None, advantages: list | None = None, rows: list | None = None,
+               seconds: list | None = None, failures: list | None = None, transcripts: bool = False) -> None:
+        """One batch. `completions`: texts (or TRL's chat completions); with `transcripts`, a multi-turn
+        episode's messages after the opening each (kept as `messages` too, for rescoring)."""
+        started = time.monotonic()
+        n = len(prompts)
+        chosen = range(n)
+        if split == "train" and n > self.max_per_step:  # a seeded sample, in order
+            chosen = sorted(self.rng.sample(range(n), self.max_per_step))
+        rendered: dict[str, str] = {}
+        lines = []
+        for i in chosen:
+            pid = prompt_id(prompts[i])
+            if pid not in rendered:
+                rendered[pid] = self._seen_as(prompts[i])
+            parts = {name: _number(values[i]) for name, values in rewards.items()}
+            entry = {
+                "split": split, "step": step, "prompt_id": pid, "prompt": rendered[pid],
+                "completion": _text(completions[i])[: self.max_chars],
+                "messages": completions[i] if transcripts else None,
+                "reward": _number(totals[i]) if totals is not None else parts.get("env"),
+                "rewards": parts,
+                "advantage": _number(advantages[i]) if advantages is not None else None,
+                "row": rows[i] if rows is not None else None,
+                "seconds": _number(seconds[i]) if seconds is not None else None,
+                "failure": (failures[i] or None) if failures is not None else None,
+            }
+            lines.append(json.dumps(entry, default=str))
+        with self.path.open("a") as f:  # one write per batch; a kill mid-write leaves one cut line at most
+            f.write("".join(line + "\n" for line in lines))
+        self.seconds += time.monotonic() - started
+
+    def _seen_as(self, prompt: Any) -> str:
+        from grpo_pipeline.prompts import render_prompt
+
+        try:
+            text = render_prompt(self.tokenizer, prompt)[0]
+        except Exception:  # a prompt the template cannot render is still worth seeing
+            text = _text(prompt)
+        return text[-self.max_chars :]  # the end of a long prompt is the part that differs
+
+    def log_to_mlflow(self, tracker, max_rows: int) -> int:
+        """The ledger as an MLflow table (artifact episodes.json). Returns the rows logged."""
+        entries = read(self.path)
+        if not entries or not tracker.run_id:
+            return 0
+        held = [e for e in entries if e["split"] != "train"]
+        train = [e for e in entries if e["split"] == "train"]
+        room = max(0, max_rows - len(held))
+        if len(train) > room:
+            train = [train[i] for i in sorted(random.Random(0).sample(range(len(train)), room))]
+        rows = held + train
+        columns = ["split", "step", "prompt_id", "reward", "completion", "failure", "seconds", "advantage",
+                   "prompt", "rewards", "row"]
+        data = {c: [json.dumps(e[c], default=str) if c in ("rewards", "row") else e[c] for e in rows]
+                for c in columns}
+        tracker.log_table(data, "episodes.json")
+        return len(rows)
+
+
+def read(path: Path) -> list[dict]:
+    """The ledger's entries; a line a kill cut short is skipped."""
+    out = []
+    if not Path(path).exists():
+        return out
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

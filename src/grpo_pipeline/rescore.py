@@ -1,0 +1,137 @@
+"""Score a finished run's recorded completions again, with another reward or env config, without
+generating (and without loading weights).
+
+    python -m grpo_pipeline.rescore <run dir> reward=length_penalty
+    python -m grpo_pipeline.rescore <run dir> reward=env env.format_weight=0.0 --split train
+
+The run's config (its resolved_config.yaml) with the overrides applied (a group choice like
+`reward=length_penalty` takes conf/reward/length_penalty.yaml; a dotted key sets one value) builds the
+env and the reward components exactly as training would sum them; every episode in the run's ledger
+(episodes.jsonl) is scored again and the old vs new mean reward is printed per split and step.
+An env whose `score_episode` calls the model cannot be re-scored without weights: those episodes are
+counted as failed, with the reason.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_pipeline.config import CONFIG_DIR
+from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.episodes import SPLIT_ORDER, load
+
+
+class NoWeights:
+    """Stands in for the policy: rescoring loads no weights, so any use of the model says why it fails."""
+
+    training = False
+    device = "cpu"
+
+    def eval(self):
+        return self
+
+    def train(self, mode: bool = True):
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"rescore loads no weights, but the env used model.{name}: an env that calls the model "
+                           "in score_episode cannot be re-scored from recorded completions.")
+
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")
+
+
+def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """The run's resolved config with `overrides` applied (group choices from conf/, dotted keys set)."""
+    path = run_dir / "resolved_config.yaml"
+    if not path.exists():
+        raise SystemExit(f"ERROR: {path} not found: is {run_dir} a run dir of this pipeline?")
+    cfg = OmegaConf.load(path)
+    schema = OmegaConf.structured(TrainConfig)
+    for override in overrides:
+        key, sep, value = override.lstrip("+~").partition("=")
+        if not sep:
+            raise SystemExit(f"ERROR: override {override!r} is not key=value (e.g. reward=length_penalty).")
+        option = CONFIG_DIR / key / f"{value}.yaml"
+        if "." not in key and option.exists():
+            node = OmegaConf.load(option)
+            default = OmegaConf.select(schema, key, throw_on_missing=False)
+            cfg[key] = OmegaConf.merge(default, node) if OmegaConf.is_config(default) else node
+        elif "." not in key and (CONFIG_DIR / key).is_dir():
+            choices = sorted(p.stem for p in (CONFIG_DIR / key).glob("*.yaml"))
+            raise SystemExit(f"ERROR: {override}: no option '{value}' in config group '{key}' (choices: {choices}).")
+        else:
+            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
+    return cfg
+
+
+def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tuple[list[dict], list[dict]]:
+    """(entries, new scores): for each ledger entry {"reward": new total, "parts": {...}, "error": str|None}."""
+    from grpo_pipeline.check import Scorer
+    from grpo_pipeline.envs.loader import load_env
+    from grpo_pipeline.models import load_tokenizer
+    from grpo_pipeline.runtime.episodes import EpisodeRunner
+
+    cfg = run_config(run_dir, overrides)
+    entries = [e for e in load(str(run_dir)) if split is None or e["split"] == split]
+    if not entries:
+        raise SystemExit(f"ERROR: no recorded episodes in {run_dir} (split {split or 'any'}).")
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    tokenizer = load_tokenizer(cfg.model)
+    rows = [e.get("row") or {} for e in entries]
+    columns = sorted({k for row in rows for k in row})
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns)
+    runner.bind(NoWeights())
+    multi_turn = any(e.get("messages") for e in entries)
+    scorer = Scorer(cfg, runner, tokenizer, ["prompt", *columns], multi_turn)
+    items = [e["messages"] if multi_turn else e["completion"] for e in entries]
+    prompts = [e["prompt"] for e in entries]
+    new = []
+    for start in range(0, len(entries), 64):
+        chunk = slice(start, start + 64)
+        for total, parts, error in scorer.totals(prompts[chunk], items[chunk], rows[chunk]):
+            new.append({"reward": total, "parts": parts, "error": error})
+    return entries, new
+
+
+def table(entries: list[dict], new: list[dict]) -> str:
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(entries):
+        groups.setdefault((SPLIT_ORDER.get(e["split"], 9), e["split"], e["step"]), []).append(i)
+    lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'old mean':>9} {'new mean':>9} {'changed':>8} {'failed':>7}"]
+    for (_, split, step), idx in sorted(groups.items()):
+        old = [entries[i]["reward"] for i in idx if entries[i].get("reward") is not None]
+        now = [new[i]["reward"] for i in idx if new[i]["reward"] is not None]
+        changed = sum(1 for i in idx if new[i]["reward"] is not None and entries[i].get("reward") is not None
+                      and abs(new[i]["reward"] - entries[i]["reward"]) > 1e-6)
+        lines.append(f"{split:<12} {step:>5} {len(idx):>8} {_mean(old):>9} {_mean(now):>9} {changed:>8} "
+                     f"{sum(new[i]['error'] is not None for i in idx):>7}")
+    return "\n".join(lines)
+
+
+def _mean(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.3f}" if values else "-"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="a run dir")
+    parser.add_argument("overrides", nargs="*", help="reward=..., env.*=..., reward.components.*=...")
+    parser.add_argument("--split", choices=sorted(SPLIT_ORDER))
+    args = parser.parse_args(argv)
+    entries, new = rescore(Path(args.run), args.overrides, args.split)
+    print(f"re-scored {len(entries)} recorded episodes of {args.run} with {' '.join(args.overrides) or 'its own config'}"
+          " (no generation, no weights):")
+    print(table(entries, new))
+    errors = [n["error"] for n in new if n["error"]]
+    if errors:
+        print(f"\n{len(errors)} episode(s) could not be scored; first: {errors[0].splitlines()[0]}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
