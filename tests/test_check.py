@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from grpo_pipeline.check import flat_share, run_check
+from grpo_pipeline.check import Report, _learnability, flat_share, run_check
 
 SHRINK = ["model=tiny", "check.num_prompts=2", "generation.max_new_tokens=6", "generation.num_generations=3",
           "training.batch_size=6", "check.num_generations=[2,3]"]
@@ -124,10 +124,15 @@ def test_doctor_stays_quiet_on_an_honest_reward(compose_cfg, planted):
 
 
 def test_learnability_recommends_a_group_size(compose_cfg, planted):
-    report = _doctor(compose_cfg, planted, "Graded", "check.num_generations=[2,3]")
-    text = report.text()
-    assert "recommendation: generation.num_generations=" in text
+    report = _doctor(compose_cfg, planted, "Graded")
+    assert "recommendation: generation.num_generations=" in report.text()
     assert not any(w.startswith("the env gives no signal") for w in report.warnings)
+    # on known groups: at size 2, 2/3 of groups are flat in expectation; at 3, half: recommend 3, warn about 2
+    known = Report()
+    _learnability(known, [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]], [2, 3], training_size=2)
+    assert "num_generations=2: flat groups 67%" in known.text() and "num_generations=3: flat groups 50%" in known.text()
+    assert "recommendation: generation.num_generations=3" in known.text()
+    assert any("generation.num_generations=2, 67% of groups are flat: use 3" in w for w in known.warnings)
 
 
 def test_flat_share_is_the_exact_chance_a_subgroup_is_flat():

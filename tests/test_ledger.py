@@ -43,6 +43,7 @@ def test_every_episode_is_recorded_with_what_grpo_saw(finished_run):
         assert e["reward"] == e["rewards"]["env"] and e["advantage"] is not None and e["failure"] is None
         assert "answer" in e["row"] and e["seconds"] is not None and len(e["prompt_id"]) == 10
         assert "<answer>" in e["prompt"]  # the prompt as the model saw it: rendered, worked example included
+        assert not e["completion"].startswith("[assistant]") and e["messages"] is None  # the text the env scored
     # the ledger's rewards are the ones TRL trained on: per step they average to MLflow's `reward`
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     logged = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "reward")}
@@ -58,6 +59,9 @@ def test_every_episode_is_recorded_with_what_grpo_saw(finished_run):
     path = client.download_artifacts(result.mlflow_run_id, "episodes.json", str(tmp_path / "dl"))
     table = json.loads(Path(path).read_text())
     assert len(table["data"]) == len(entries) and "completion" in table["columns"]
+    # registered as a table: what makes the MLflow UI show it as one (and mlflow.load_table find it)
+    logged = json.loads(client.get_run(result.mlflow_run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": "episodes.json", "type": "table"} in logged
     assert 0 < json.loads((tmp_path / "run" / "summary.json").read_text())["ledger_seconds"] < 5
 
 
@@ -94,6 +98,7 @@ def test_rescore_with_another_reward_loads_no_weights(finished_run, capsys, monk
         split, _, n, old_mean, new_mean, changed, failed = rows[("train", str(step))]
         assert (n, changed, failed) == ("4", "4", "0")
         assert float(old_mean) == pytest.approx(old, abs=1e-3) and float(new_mean) == pytest.approx(old + 0.5, abs=1e-3)
+    assert rows[("test_after", "2")][5:7] == ["0", "0"]  # held-out scores are the env's alone: unchanged
 
 
 def test_rescore_an_env_option(finished_run, capsys):

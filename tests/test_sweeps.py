@@ -320,7 +320,7 @@ def test_error_line():
 
 
 def test_bootstrap_interval_on_known_data():
-    from grpo_pipeline.compare import bootstrap_difference, bootstrap_mean
+    from grpo_pipeline.compare import bootstrap_mean, welch_difference
 
     assert bootstrap_mean([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)  # no spread, no interval
     mean, low, high = bootstrap_mean([1.0, 2.0, 3.0])
@@ -330,8 +330,10 @@ def test_bootstrap_interval_on_known_data():
     mean, low, high = bootstrap_mean(sample)
     half = 1.96 * sample.std(ddof=1) / np.sqrt(sample.size)
     assert abs(low - (mean - half)) < 0.004 and abs(high - (mean + half)) < 0.004
-    low, high = bootstrap_difference([0.50, 0.51, 0.52], [0.10, 0.11, 0.12])
-    assert 0.38 <= low <= 0.40 <= high <= 0.42
+    # Welch: diff 0.4, se sqrt(2 * 1e-4 / 3), df 4, t(0.975, 4) = 2.7764 (as R's t.test gives)
+    low, high = welch_difference([0.50, 0.51, 0.52], [0.10, 0.11, 0.12])
+    assert low == pytest.approx(0.4 - 2.7764 * (2e-4 / 3) ** 0.5, abs=1e-4)
+    assert high == pytest.approx(0.4 + 2.7764 * (2e-4 / 3) ** 0.5, abs=1e-4)
 
 
 def _run(client, exp, name, after, overrides):
@@ -350,6 +352,7 @@ def test_compare_groups_seeds_into_points_with_intervals(tmp_path, capsys):
     for point, values in scores.items():
         for seed, value in enumerate(values):
             _run(client, exp, f"{point},seed={seed}", value, f"model=tiny {point} seed={seed}")
+    _run(client, exp, "loss.kl_coef=0.2,seed=0", 0.99, "model=tiny loss.kl_coef=0.2 seed=0")  # one lucky seed
     compare_main(["exp", "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}", "--out", str(tmp_path / "cmp")])
     out = capsys.readouterr().out
     section = out.split("Per point over seeds")[1].splitlines()
@@ -358,6 +361,7 @@ def test_compare_groups_seeds_into_points_with_intervals(tmp_path, capsys):
     assert best[1:3] == ["3", "0.810"] and best[4] == "best"
     assert rows["loss.kl_coef=0.05"][4].startswith("within seed noise")
     assert rows["loss.kl_coef=0.1"][4].startswith("worse")
+    assert rows["loss.kl_coef=0.2"][1:3] == ["1", "0.990"] and rows["loss.kl_coef=0.2"][4] == "n/a (1 seed)"
     low, high = (float(x) for x in rows["loss.kl_coef=0.1"][3].split(".."))
     assert 0.20 <= low <= 0.21 <= high <= 0.22
     assert (tmp_path / "cmp" / "comparison_points.png").stat().st_size > 1000

@@ -184,26 +184,30 @@ class Scorer:
         if env_values is None and self.env_weight == 0:
             env_values, errors = [0.0] * len(items), [None] * len(items)
         elif env_values is None:
+            from grpo_pipeline.runtime.episodes import score_problem
+
             episodes = self.runner.run_episodes(items, rows)
-            env_values = [None if ep.error is not None or ep.timed_out else ep.value for ep in episodes]
             errors = ["timed out" if ep.timed_out else f"{ep.error.__class__.__name__}: {ep.error}"
-                      if ep.error is not None else None for ep in episodes]
+                      if ep.error is not None else f"score_episode {score_problem(ep.value)}"
+                      if score_problem(ep.value) else None for ep in episodes]
+            env_values = [None if error else float(ep.value) for ep, error in zip(episodes, errors, strict=True)]
         else:
             errors = [None if v is not None else "failed" for v in env_values]
         texts = [_assistant_text(x) if self.multi_turn else x for x in items]
         parts = [{"env": v} for v in env_values]
-        columns = {k: [row[k] for row in rows] for k in (rows[0] if rows else {})}
+        columns = {k: [row.get(k) for row in rows] for k in {k for row in rows for k in row}}
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         for fn, _w in self.components:
             for part, value in zip(parts, fn(prompts=prompts, completions=texts, completion_ids=ids, **columns),
                                    strict=True):
-                part[fn.__name__] = float(value)
+                part[fn.__name__] = None if value is None else float(value)  # None: not scored by it (as in TRL)
         out = []
         for part, error in zip(parts, errors, strict=True):
             if part["env"] is None:
                 out.append((None, part, error))
                 continue
-            total = self.env_weight * float(part["env"]) + sum(w * part[fn.__name__] for fn, w in self.components)
+            total = self.env_weight * float(part["env"]) + sum(
+                w * part[fn.__name__] for fn, w in self.components if part[fn.__name__] is not None)
             out.append((total, part, None))
         return out
 
@@ -231,8 +235,10 @@ class Prober(Scorer):
     def exploits(self, r: Report, prompts: list, rows: list[dict], groups: list[list], completions: list[str],
                  items: list, values: list, group: int) -> None:
         """Degenerate completions for the first two prompts, scored like training; warn when one beats the base model."""
-        base = self.totals([p for p in prompts for _ in range(group)], items, [x for x in rows for _ in range(group)],
-                           env_values=values)
+        probed = min(2, len(prompts))  # the baseline: the base model's completions of the same prompts
+        n = probed * group
+        base = self.totals([p for p in prompts[:probed] for _ in range(group)], items[:n],
+                           [x for x in rows[:probed] for _ in range(group)], env_values=values[:n])
         base_totals = [t for t, _, _ in base if t is not None]
         if not base_totals:
             return
@@ -265,8 +271,10 @@ class Prober(Scorer):
     def _probes(self, prompt, good: str) -> dict[str, str]:
         tags = re.findall(r"<(\w+)>(.*?)</\1>", good, re.DOTALL)
         tag, inner = tags[-1] if tags else ("answer", "0")
-        value = (str(self.rng.randint(0, 10 ** max(1, len(inner.strip())) - 1)) if inner.strip().lstrip("-").isdigit()
-                 else "".join(self.rng.choice("abcdefghij") for _ in range(max(3, len(inner.strip())))))
+        value = inner.strip()
+        while value == inner.strip():  # a random value, never the good completion's own (often the right answer)
+            value = (str(self.rng.randint(0, 10 ** max(2, len(inner.strip())) - 1)) if inner.strip().lstrip("-").isdigit()
+                     else "".join(self.rng.choice("abcdefghij") for _ in range(max(3, len(inner.strip())))))
         ids = self.tokenizer(good, add_special_tokens=False)["input_ids"]
         phrase = " ".join(good.split()[:5]) or "the answer"
         limit = self.cfg.generation.max_new_tokens

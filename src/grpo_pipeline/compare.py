@@ -9,7 +9,8 @@ A failed run shows the first line of its `error` tag. URL credentials are masked
 Runs that differ only in `seed` are one point: when a point has several finished seeds, a second table
 gives per point the mean held-out score (`eval_after/mean_reward`; the sorting metric where a run has no
 held-out score), a bootstrap 95% interval of that mean, and whether the point is distinguishable from the
-best one (the bootstrap interval of the difference of means excludes 0). comparison_points.png draws them.
+best one (the Welch t 95% interval of the difference of means excludes 0; a point needs 2+ seeds for a
+verdict). comparison_points.png draws them.
 """
 
 import argparse
@@ -81,21 +82,29 @@ def bootstrap_mean(values, n_boot: int = 10_000, level: float = 0.95, seed: int 
     return float(v.mean()), float(low), float(high)
 
 
-def bootstrap_difference(a, b, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """The percentile bootstrap interval of mean(a) - mean(b), the two resampled independently."""
-    rng = np.random.default_rng(seed)
+def welch_difference(a, b, level: float = 0.95) -> tuple[float, float]:
+    """The Welch t interval of mean(a) - mean(b) (unequal variances); both need 2+ values."""
+    from scipy import stats
+
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    diffs = rng.choice(a, size=(n_boot, a.size)).mean(axis=1) - rng.choice(b, size=(n_boot, b.size)).mean(axis=1)
-    low, high = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-    return float(low), float(high)
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    diff = float(a.mean() - b.mean())
+    if va + vb == 0:
+        return diff, diff
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+    half = float(stats.t.ppf((1 + level) / 2, df) * math.sqrt(va + vb))
+    return diff - half, diff + half
 
 
 def points(items: list[dict]) -> list[dict]:
-    """Finished runs grouped by point (seed dropped), best mean first; empty unless some point has 2+ seeds."""
+    """Finished runs grouped by point (seed dropped), best mean first; empty unless some point has 2+ seeds.
+    Scored by the held-out score when every finished run has one, else by the sorting metric (never a mix)."""
+    finished = [item for item in items if item["status"] == "FINISHED"]
+    key = "score" if all(item["score"] is not None for item in finished) else "sort"
     groups: dict[str, list[float]] = {}
-    for item in items:
-        if item["status"] == "FINISHED" and item["score"] is not None:
-            groups.setdefault(item["point"], []).append(item["score"])
+    for item in finished:
+        if item[key] is not None:
+            groups.setdefault(item["point"], []).append(item[key])
     if not any(len(v) > 1 for v in groups.values()):
         return []
     common = set.intersection(*(set(point.split()) for point in groups))  # shown once, not on every row
@@ -104,11 +113,15 @@ def points(items: list[dict]) -> list[dict]:
         mean, low, high = bootstrap_mean(scores)
         shown = " ".join(t for t in point.split() if t not in common) or point
         out.append({"point": shown, "seeds": len(scores), "mean": mean, "low": low, "high": high, "scores": scores})
-    out.sort(key=lambda p: -p["mean"])
+    # the best point among those with 2+ seeds: a single lucky seed cannot be "best"
+    out.sort(key=lambda p: (p["seeds"] < 2, -p["mean"]))
     best = out[0]
     best["vs best"] = "best"
     for p in out[1:]:
-        low, high = bootstrap_difference(best["scores"], p["scores"])
+        if p["seeds"] < 2:
+            p["vs best"] = "n/a (1 seed)"
+            continue
+        low, high = welch_difference(best["scores"], p["scores"])
         p["vs best"] = (f"worse (diff CI {low:+.3f}..{high:+.3f})" if low > 0 else
                         f"within seed noise (diff CI {low:+.3f}..{high:+.3f})")
     return out
@@ -191,7 +204,7 @@ def compare(client, target: str, metric: str = "reward", out_dir: Path | None = 
     pts = points(items)
     if pts:
         text += ("\n\nPer point over seeds (held-out mean reward after training; bootstrap 95% interval of the mean;"
-                 " 'worse' = distinguishable from the best point):\n" + points_table(pts))
+                 " 'worse' = the Welch 95% interval of the gap to the best point excludes 0):\n" + points_table(pts))
         plot_points(pts, out_dir / "comparison_points.png")
     (out_dir / "comparison.txt").write_text(text + "\n")
     if parent:

@@ -15,6 +15,7 @@ error, or null). Read it with `python -m grpo_pipeline.episodes <run dir>`.
 
 import hashlib
 import json
+import logging
 import math
 import random
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 FILE = "episodes.jsonl"
+log = logging.getLogger(__name__)
 
 
 def prompt_id(prompt: Any) -> str:
@@ -33,12 +35,6 @@ def transcript_text(messages: list[dict]) -> str:
     return "\n".join(f"[{m.get('role')}] {m.get('content') or ''}" for m in messages)
 
 
-def _text(x: Any) -> str:
-    if isinstance(x, str):
-        return x
-    if isinstance(x, list) and x and isinstance(x[0], dict):
-        return transcript_text(x)
-    return str(x)
 
 
 def _number(x: Any) -> float | None:
@@ -57,7 +53,8 @@ class Ledger:
         self.seconds = 0.0  # time spent recording: its cost, reported at the end
 
     def truncate_after(self, step: int) -> int:
-        """Resume: drop training/validation lines of steps after `step` (they are generated again). Returns how many."""
+        """Resume: drop training/validation lines of steps after `step` and any final test (they run again).
+        Returns how many lines were dropped."""
         if not self.path.exists():
             return 0
         keep, dropped = [], 0
@@ -67,7 +64,7 @@ class Ledger:
             except json.JSONDecodeError:  # a line a kill cut short
                 dropped += 1
                 continue
-            if entry["split"] in ("train", "val") and entry["step"] > step:
+            if entry["split"] == "test_after" or (entry["split"] in ("train", "val") and entry["step"] > step):
                 dropped += 1
             else:
                 keep.append(line)
@@ -81,21 +78,29 @@ class Ledger:
                seconds: list | None = None, failures: list | None = None, transcripts: bool = False) -> None:
         """One batch. `completions`: texts (or TRL's chat completions); with `transcripts`, a multi-turn
         episode's messages after the opening each (kept as `messages` too, for rescoring)."""
+        from grpo_pipeline.runtime.episodes import completion_text
+
         started = time.monotonic()
-        n = len(prompts)
-        chosen = range(n)
-        if split == "train" and n > self.max_per_step:  # a seeded sample, in order
-            chosen = sorted(self.rng.sample(range(n), self.max_per_step))
+        ids = [prompt_id(p) for p in prompts]
+        chosen = range(len(prompts))
+        if split == "train" and len(prompts) > self.max_per_step:  # a seeded sample of whole groups, in order
+            groups = list(dict.fromkeys(ids))
+            per_group = max(1, len(prompts) // len(groups))
+            keep = set(self.rng.sample(groups, max(1, self.max_per_step // per_group)))
+            chosen = [i for i, pid in enumerate(ids) if pid in keep]
         rendered: dict[str, str] = {}
         lines = []
         for i in chosen:
-            pid = prompt_id(prompts[i])
+            pid = ids[i]
             if pid not in rendered:
                 rendered[pid] = self._seen_as(prompts[i])
             parts = {name: _number(values[i]) for name, values in rewards.items()}
+            # the text the env scored (TRL's chat completion -> its assistant text); a multi-turn episode: every turn
+            text = transcript_text(completions[i]) if transcripts else completion_text(completions[i])
             entry = {
                 "split": split, "step": step, "prompt_id": pid, "prompt": rendered[pid],
-                "completion": _text(completions[i])[: self.max_chars],
+                "completion": text[: self.max_chars],
+                "truncated": len(text) > self.max_chars,  # rescore skips these: the text is not what was scored
                 "messages": completions[i] if transcripts else None,
                 "reward": _number(totals[i]) if totals is not None else parts.get("env"),
                 "rewards": parts,
@@ -115,11 +120,12 @@ class Ledger:
         try:
             text = render_prompt(self.tokenizer, prompt)[0]
         except Exception:  # a prompt the template cannot render is still worth seeing
-            text = _text(prompt)
+            text = prompt if isinstance(prompt, str) else transcript_text(prompt)
         return text[-self.max_chars :]  # the end of a long prompt is the part that differs
 
     def log_to_mlflow(self, tracker, max_rows: int) -> int:
-        """The ledger as an MLflow table (artifact episodes.json). Returns the rows logged."""
+        """The ledger as an MLflow table (artifact episodes.json). Returns the rows logged; a failure is a
+        warning (the run's results are already safe), never an error."""
         entries = read(self.path)
         if not entries or not tracker.run_id:
             return 0
@@ -133,7 +139,12 @@ class Ledger:
                    "prompt", "rewards", "row"]
         data = {c: [json.dumps(e[c], default=str) if c in ("rewards", "row") else e[c] for e in rows]
                 for c in columns}
-        tracker.log_table(data, "episodes.json")
+        try:
+            tracker.log_table(data, "episodes.json")
+        except Exception as e:
+            log.warning("episode ledger: could not log the MLflow table (%s); %s has every episode",
+                        str(e).splitlines()[0] if str(e) else type(e).__name__, self.path)
+            return 0
         return len(rows)
 
 

@@ -90,7 +90,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
         ledger = _open_ledger(cfg, run_dir, tokenizer, checkpoint) if is_main else None
-        trainer.ledger = ledger
+        trainer.ledger, trainer.record_episodes = ledger, bool(cfg.ledger.enabled)
 
         def score(dataset, split_name: str, step: int) -> dict:
             result = evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,

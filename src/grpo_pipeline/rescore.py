@@ -7,7 +7,10 @@ generating (and without loading weights).
 The run's config (its resolved_config.yaml) with the overrides applied (a group choice like
 `reward=length_penalty` takes conf/reward/length_penalty.yaml; a dotted key sets one value) builds the
 env and the reward components exactly as training would sum them; every episode in the run's ledger
-(episodes.jsonl) is scored again and the old vs new mean reward is printed per split and step.
+(episodes.jsonl) is scored again and the old vs new mean reward is printed per split and step. Training
+episodes get the total training would have given them; held-out ones the env's score alone (as held-out
+evaluation scores). Episodes whose text the ledger cut (`ledger.max_chars`) are left out, and components
+get the recorded (rendered) prompt and the completion's tokens re-encoded from its text.
 An env whose `score_episode` calls the model cannot be re-scored without weights: those episodes are
 counted as failed, with the reason.
 """
@@ -78,7 +81,7 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
     from grpo_pipeline.runtime.episodes import EpisodeRunner
 
     cfg = run_config(run_dir, overrides)
-    entries = [e for e in load(str(run_dir)) if split is None or e["split"] == split]
+    entries = [e for e in load(str(run_dir)) if (split is None or e["split"] == split) and not e.get("truncated")]
     if not entries:
         raise SystemExit(f"ERROR: no recorded episodes in {run_dir} (split {split or 'any'}).")
     env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
@@ -96,6 +99,9 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
         chunk = slice(start, start + 64)
         for total, parts, error in scorer.totals(prompts[chunk], items[chunk], rows[chunk]):
             new.append({"reward": total, "parts": parts, "error": error})
+    for e, n in zip(entries, new, strict=True):
+        if e["split"] != "train":  # held-out evaluation scores by the env alone: so does its re-scoring
+            n["reward"] = n["parts"].get("env") if cfg.reward.env_weight > 0 else None
     return entries, new
 
 

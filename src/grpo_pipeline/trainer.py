@@ -18,6 +18,7 @@ from grpo_pipeline.runtime.rollout import Rollout
 
 class PipelineTrainer(GRPOTrainer):
     current_rows: list[dict] = []
+    record_episodes = False  # the episode ledger is on (set on every process: rows are gathered from all)
     ledger = None  # the episode ledger (ledger.py), main process only
 
     def _generate_and_score_completions(self, inputs):
@@ -25,22 +26,29 @@ class PipelineTrainer(GRPOTrainer):
         for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
             value.clear()
         out = super()._generate_and_score_completions(inputs)
-        if self.ledger is not None and self.model.training:
-            self._record_episodes()
+        if self.record_episodes and self.model.training:
+            from accelerate.utils import gather_object
+
+            rows = gather_object([{k: v for k, v in x.items() if k != "prompt"} for x in inputs])  # as TRL gathers
+            if self.ledger is not None:
+                self._record_episodes(rows)
         return out
 
-    def _record_episodes(self) -> None:
-        """This generation batch (all processes, gathered by TRL) into the ledger."""
+    def _record_episodes(self, rows: list[dict]) -> None:
+        """This generation batch (all processes, gathered) into the ledger. With steps_per_generation > 1 one
+        generation serves several steps: its episodes carry the first of them."""
         logs = self._logs
         rewards = {name: list(values) for name, values in logs["rewards"].items()}
         weights = self.reward_weights.tolist()
-        totals = [sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)  # NaN: not scored by that one
-                  for parts in zip(*rewards.values(), strict=True)] if rewards else None
+        totals = None
+        if rewards:  # a reward function that returned None (NaN) did not score that episode; none scoring: None
+            totals = [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True)
+                                                                   if r == r)
+                      for parts in zip(*rewards.values(), strict=True)]
         extra = logs["extra"]
         completions = list(extra["transcript"]) if "transcript" in extra else list(logs["completion"])
         self.ledger.record("train", self.state.global_step + 1, list(logs["prompt"]), completions, rewards,
-                           totals=totals, advantages=list(logs["advantages"]),
-                           rows=list(extra["row"]) if "row" in extra else None,
+                           totals=totals, advantages=list(logs["advantages"]), rows=rows,
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
                            transcripts="transcript" in extra)

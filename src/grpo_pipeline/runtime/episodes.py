@@ -105,7 +105,6 @@ class EpisodeRunner:
                 for name, value in metrics.items():
                     log_metric(name, value)
             if log_extra is not None:  # for the episode ledger (TRL gathers these across processes)
-                log_extra("row", rows)
                 log_extra("seconds", self.last_batch["seconds"])
                 log_extra("failure", self.last_batch["failures"])
                 if "transcript" in columns:
