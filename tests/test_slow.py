@@ -25,3 +25,12 @@ def test_default_model_short_run_gets_credit_from_the_start(tmp_path, monkeypatc
     assert 0.0 <= summary["eval_after"]["success_rate"] <= 1.0
     assert (Path(result.model_path) / "adapter_model.safetensors").exists()
     assert (Path(result.run_dir) / "reward_curve.png").exists()
+
+
+def test_doctor_is_quiet_on_arithmetic_with_the_default_model(compose_cfg, tmp_path):
+    from grpo_pipeline.check import run_check
+
+    report = run_check(compose_cfg([f"output_dir={tmp_path}"]))
+    text = report.text()
+    assert "reward-exploit probes" in text and "learnability over 4 prompts x 8 samples" in text
+    assert not any("exploit" in w or "nondeterministic" in w or "no signal" in w for w in report.warnings), text

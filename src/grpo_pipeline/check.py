@@ -234,17 +234,16 @@ class Prober(Scorer):
 
     def exploits(self, r: Report, prompts: list, rows: list[dict], groups: list[list], completions: list[str],
                  items: list, values: list, group: int) -> None:
-        """Degenerate completions for the first two prompts, scored like training; warn when one beats the base model."""
-        probed = min(2, len(prompts))  # the baseline: the base model's completions of the same prompts
-        n = probed * group
-        base = self.totals([p for p in prompts[:probed] for _ in range(group)], items[:n],
-                           [x for x in rows[:probed] for _ in range(group)], env_values=values[:n])
+        """Degenerate completions for every checked prompt, scored like training; warn when one earns more than
+        the base model's completions of the same prompts do on average."""
+        base = self.totals([p for p in prompts for _ in range(group)], items, [x for x in rows for _ in range(group)],
+                           env_values=values)
         base_totals = [t for t, _, _ in base if t is not None]
         if not base_totals:
             return
         base_mean = statistics.fmean(base_totals)
         probes: dict[str, list] = {}
-        for k, (prompt, row) in enumerate(zip(prompts[:2], rows[:2], strict=False)):
+        for k, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
             scored = [(v, completions[k * group + j]) for j, v in enumerate(groups[k]) if v is not None]
             good = max(scored, key=lambda x: x[0])[1] if scored else completions[k * group]
             for name, text in self._probes(prompt, good).items():
@@ -276,7 +275,7 @@ class Prober(Scorer):
             value = (str(self.rng.randint(0, 10 ** max(2, len(inner.strip())) - 1)) if inner.strip().lstrip("-").isdigit()
                      else "".join(self.rng.choice("abcdefghij") for _ in range(max(3, len(inner.strip())))))
         ids = self.tokenizer(good, add_special_tokens=False)["input_ids"]
-        phrase = " ".join(good.split()[:5]) or "the answer"
+        phrase = " ".join(_user_text(prompt).split()[:6]) or "the answer"  # a model looping on the question
         limit = self.cfg.generation.max_new_tokens
         repeated = phrase
         for _ in range(limit):  # up to the completion length limit, as a looping model would write it
