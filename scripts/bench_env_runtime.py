@@ -64,8 +64,9 @@ class StepTimer(TrainerCallback):
         return statistics.median(gaps[skip:])
 
 
-def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
-    """Median step time of the pipeline and of a plain TRL script, interleaved, best of `repeats`."""
+def bench_step_overhead(steps: int, repeats: int, trl_generates: bool = False) -> tuple[float, float]:
+    """Median step time of the pipeline and of a plain TRL script, interleaved, best of `repeats`.
+    `trl_generates`: the pipeline lets TRL generate (no runtime rollout), isolating tracking/runtime overhead."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from peft import LoraConfig
@@ -90,8 +91,13 @@ def bench_step_overhead(steps: int, repeats: int) -> tuple[float, float]:
             cfg = compose("train", overrides=[*overrides, f"output_dir={tmp}/p{r}"])
         timer = StepTimer()
         recipe._build_trainer = lambda *a, timer=timer: _with(build(*a), timer)
-        train(cfg, launch_dir=tmp)
-        recipe._build_trainer = build
+        make_rollout = recipe.make_rollout
+        if trl_generates:
+            recipe.make_rollout = lambda *a, **k: None
+        try:
+            train(cfg, launch_dir=tmp)
+        finally:
+            recipe._build_trainer, recipe.make_rollout = build, make_rollout
         pipeline.append(timer.median_step())
 
         # The same run as a plain TRL script: same model, data, GRPOConfig and score, no pipeline.
@@ -143,6 +149,9 @@ def main() -> None:
     pipe, plain = bench_step_overhead(args.steps, args.repeats)
     print(f"(c) training step, tiny model: pipeline {pipe * 1000:.0f} ms, plain GRPOTrainer {plain * 1000:.0f} ms "
           f"-> {pipe / plain:.3f}x (goal <= 1.05x)")
+    pipe, plain = bench_step_overhead(args.steps, args.repeats, trl_generates=True)
+    print(f"(c') the same with TRL generating in the pipeline too (tracking, runtime, ledger, callbacks only): "
+          f"pipeline {pipe * 1000:.0f} ms, plain {plain * 1000:.0f} ms -> {pipe / plain:.3f}x")
 
 
 if __name__ == "__main__":
