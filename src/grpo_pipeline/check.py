@@ -193,10 +193,12 @@ class Scorer:
             env_values = [None if error else float(ep.value) for ep, error in zip(episodes, errors, strict=True)]
         else:
             errors = [None if v is not None else "failed" for v in env_values]
-        texts = [_assistant_text(x) if self.multi_turn else x for x in items]
+        from grpo_pipeline.runtime.episodes import completion_text
+
+        texts = [completion_text(x) for x in items]  # a transcript's assistant turns, as the rollout joins them
         parts = [{"env": v} for v in env_values]
         columns = {k: [row.get(k) for row in rows] for k in {k for row in rows for k in row}}
-        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] if self.components else []
         for fn, _w in self.components:
             for part, value in zip(parts, fn(prompts=prompts, completions=texts, completion_ids=ids, **columns),
                                    strict=True):
@@ -223,13 +225,15 @@ class Prober(Scorer):
         """Score the first few scored completions again: a reward must give the same completion the same score."""
         again = [i for i, v in enumerate(values) if v is not None][:8]
         episodes = self.runner.run_episodes([items[i] for i in again], [rows[i] for i in again])
+        from grpo_pipeline.runtime.episodes import completion_text
+
         differ = [(i, values[i], ep.value) for i, ep in zip(again, episodes, strict=True)
                   if ep.error is None and not ep.timed_out and ep.value != values[i]]
         r.lines.append(f"scored {len(again)} completions a second time: {len(differ)} got a different score")
         if differ:
             i, first, second = differ[0]
             r.warnings.append(f"nondeterministic reward: the same completion scored {first:g}, then {second:g} "
-                              f"({len(differ)}/{len(again)} differ; e.g. {_preview_item(items[i])!r}). GRPO then "
+                              f"({len(differ)}/{len(again)} differ; e.g. {completion_text(items[i])[:60]!r}). GRPO then "
                               "learns from noise: seed the env's randomness per row, or score greedily.")
 
     def exploits(self, r: Report, prompts: list, rows: list[dict], groups: list[list], completions: list[str],
@@ -299,19 +303,9 @@ def _user_text(prompt) -> str:
     return users[-1] if users else str(prompt[-1].get("content", ""))
 
 
-def _assistant_text(messages) -> str:
-    if isinstance(messages, str):
-        return messages
-    return "\n".join(m["content"] for m in messages if m.get("role") == "assistant" and m.get("content"))
-
-
 def _as_episode(text: str) -> list[dict]:
     """A multi-turn env's `completion` (the episode after the opening): the probe as the assistant's only turn."""
     return [{"role": "assistant", "content": text}]
-
-
-def _preview_item(item) -> str:
-    return (_assistant_text(item) if not isinstance(item, str) else item)[:60]
 
 
 def _score_report(r: Report, scores, episodes, completions, slow_s: float) -> None:

@@ -50,12 +50,18 @@ def _steps(spec: str | None) -> tuple[float, float]:
     return (int(first) if first else -float("inf")), (int(last) if last else float("inf"))
 
 
+def by_step(entries: list[dict]) -> list[tuple[str, int, list[int]]]:
+    """(split, step, indices of its entries), in run order: test_before, train steps, validations, test_after."""
+    groups: dict[tuple, list[int]] = {}
+    for i, e in enumerate(entries):
+        groups.setdefault((SPLIT_ORDER.get(e["split"], 9), e["split"], e["step"]), []).append(i)
+    return [(split, step, idx) for (_, split, step), idx in sorted(groups.items())]
+
+
 def summary(entries: list[dict]) -> str:
-    groups: dict[tuple, list[dict]] = {}
-    for e in entries:
-        groups.setdefault((SPLIT_ORDER.get(e["split"], 9), e["split"], e["step"]), []).append(e)
     lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'mean reward':>11} {'failures':>8}"]
-    for (_, split, step), group in sorted(groups.items()):
+    for split, step, idx in by_step(entries):
+        group = [entries[i] for i in idx]
         rewards = [e["reward"] for e in group if e.get("reward") is not None]
         mean = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
         lines.append(f"{split:<12} {step:>5} {len(group):>8} {mean:>11} {sum(bool(e.get('failure')) for e in group):>8}")

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import TrainConfig
-from grpo_pipeline.episodes import SPLIT_ORDER, load
+from grpo_pipeline.episodes import SPLIT_ORDER, by_step, load
 
 
 class NoWeights:
@@ -105,11 +105,8 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
 
 
 def table(entries: list[dict], new: list[dict]) -> str:
-    groups: dict[tuple, list[int]] = {}
-    for i, e in enumerate(entries):
-        groups.setdefault((SPLIT_ORDER.get(e["split"], 9), e["split"], e["step"]), []).append(i)
     lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'old mean':>9} {'new mean':>9} {'changed':>8} {'failed':>7}"]
-    for (_, split, step), idx in sorted(groups.items()):
+    for split, step, idx in by_step(entries):
         old = [entries[i]["reward"] for i in idx if entries[i].get("reward") is not None]
         now = [new[i]["reward"] for i in idx if new[i]["reward"] is not None]
         changed = sum(1 for i in idx if new[i]["reward"] is not None and entries[i].get("reward") is not None
