@@ -216,6 +216,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         rollout_func=rollout_func(rollout, sampling(cfg.generation), extra_columns) if rollout else None,
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
+    trainer.shared_prefix_loss = cfg.training.shared_prefix_loss
     return trainer
 
 

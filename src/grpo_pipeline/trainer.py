@@ -6,6 +6,7 @@ turns the runtime's trajectories into what TRL trains on: prompt ids, completion
 turns), the env mask (env tokens carry no loss) and the sampled tokens' log-probabilities.
 """
 
+import logging
 import os
 import statistics
 
@@ -13,13 +14,32 @@ from trl import GRPOTrainer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
 
+from grpo_pipeline import prefix_logps
 from grpo_pipeline.runtime.rollout import Rollout
+
+log = logging.getLogger(__name__)
 
 
 class PipelineTrainer(GRPOTrainer):
     current_rows: list[dict] = []
     record_episodes = False  # the episode ledger is on (set on every process: rows are gathered from all)
     ledger = None  # the episode ledger (ledger.py), main process only
+    shared_prefix_loss = False  # training.shared_prefix_loss: the batch's shared prompt prefix run once (prefix_logps)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **inputs):
+        prefix = 0
+        if (self.shared_prefix_loss and not compute_aux_loss and self.accelerator.num_processes == 1
+                and not self.args.activation_checkpointing and all(v is None for v in inputs.values())):
+            prefix = prefix_logps.shared_prefix_length(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
+        if prefix < prefix_logps.MIN_PREFIX:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **inputs)
+        logps, entropies = prefix_logps.per_token_logps(model, input_ids, attention_mask, logits_to_keep, prefix,
+                                                        compute_entropy, batch_size or input_ids.size(0),
+                                                        self.accelerator.autocast)
+        return logps, entropies, None
 
     def _generate_and_score_completions(self, inputs):
         self.current_rows = inputs

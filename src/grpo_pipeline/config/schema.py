@@ -115,6 +115,10 @@ class TrainingConfig:
     # Recompute activations in the backward pass: saves memory on big models, costs time (TRL's default
     # is true; small models on CPU train faster without).
     activation_checkpointing: bool = False
+    # Loss forward: run the prompt prefix every sequence of a batch shares (system prompt, worked example)
+    # once, with gradients, instead of once per sequence. Exact (tested against TRL's path); ~3x cheaper loss
+    # on the default run. Single process, text-only, no activation checkpointing; else TRL's own path.
+    shared_prefix_loss: bool = True
     # null: CPU when no GPU is present.
     use_cpu: bool | None = None
     # Save the trained weights / adapter to <run dir>/model.
