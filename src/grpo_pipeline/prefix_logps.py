@@ -22,6 +22,8 @@ import copy
 
 import torch
 
+from grpo_pipeline.runtime.sampler import CACHE_KWARG
+
 MIN_PREFIX = 16
 
 
@@ -73,7 +75,7 @@ def per_token_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         attend = _attention_mask(full_mask[start:end], n)
         with autocast():
             out = model(input_ids=rest[start:end], attention_mask=attend, position_ids=positions[start:end],
-                        cache=chunk_cache, labels=labels[start:end], fused_lm_head=True)
+                        labels=labels[start:end], fused_lm_head=True, **{CACHE_KWARG: chunk_cache})
         logps.append(out.log_probs[:, -logits_to_keep:])
         if compute_entropy:
             entropies.append(out.entropy[:, -logits_to_keep:])

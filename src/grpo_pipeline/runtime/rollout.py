@@ -22,14 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.generation import utils as generation_utils
 
 from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
-
-# transformers renamed generate's `past_key_values` to `cache` (5.2x)
-_CACHE_KWARG = "cache" if hasattr(generation_utils, "DEPRECATED_CACHE_NAMES") else "past_key_values"
+from grpo_pipeline.runtime.sampler import decode, expand_cache
 
 
 @dataclass
@@ -198,11 +195,7 @@ class SharedPrefix:
         return all(len(s) > n and s[:n] == self.ids for s in sequences)
 
     def expanded(self, batch: int):
-        import copy
-
-        cache = copy.deepcopy(self.cache)
-        cache.batch_repeat_interleave(batch)
-        return cache
+        return expand_cache(self.cache, batch)
 
 
 def _common_prefix_length(sequences: list[list[int]]) -> int:
@@ -235,22 +228,6 @@ def generate(model, sequences: list[list[int]], max_new_tokens: int, sampling: d
     for i, tail in enumerate(tails):
         ids[i, start + width - len(tail):] = torch.tensor(tail)
         mask[i, start + width - len(tail):] = 1
-    kwargs = dict(sampling)
-    if use_prefix:
-        kwargs[_CACHE_KWARG] = prefix.expanded(len(tails))
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                         pad_token_id=pad_id, eos_token_id=eos_ids, return_dict_in_generate=True,
-                         output_logits=with_logprobs, **kwargs)
-    new = out.sequences[:, ids.shape[1]:].cpu()
-    logps = torch.zeros(new.shape)
-    if with_logprobs and out.logits:  # log-probabilities of the sampled tokens, as TRL computes them
-        temperature = float(sampling.get("temperature", 1.0)) if sampling.get("do_sample") else 1.0
-        for step, logits in enumerate(out.logits):  # one step at a time: no (batch, steps, vocab) copy
-            step_logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-            logps[:, step] = step_logps.gather(-1, out.sequences[:, ids.shape[1] + step, None]).squeeze(-1).cpu()
-    result_ids, result_logps = [], []
-    for row, row_logps in zip(new.tolist(), logps.tolist(), strict=True):
-        end = next((i + 1 for i, tok in enumerate(row) if tok in eos_ids), len(row))
-        result_ids.append(row[:end])
-        result_logps.append(row_logps[:end])
-    return result_ids, result_logps
+    cache = prefix.expanded(len(tails)) if use_prefix else None
+    return decode(model, ids.to(device), mask.to(device), max_new_tokens, sampling, eos_ids, cache, start,
+                  with_logprobs=with_logprobs)

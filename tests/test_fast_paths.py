@@ -1,0 +1,162 @@
+"""The runtime's own decode loop and the shared-prefix loss forward are exact: greedy tokens equal
+`model.generate`'s, sampling follows generate's warpers and distribution, and the loss log-probs, entropies
+and gradients equal TRL's own path."""
+
+import contextlib
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+from trl.trainer.utils import add_fused_lm_head
+
+from grpo_pipeline.config.schema import ModelConfig
+from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
+from grpo_pipeline.prefix_logps import MIN_PREFIX, per_token_logps, shared_prefix_length
+from grpo_pipeline.runtime import sampler
+from grpo_pipeline.runtime.rollout import SharedPrefix, generate
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    torch.manual_seed(0)
+    return tokenizer, build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer).eval()
+
+
+def _prompts(tokenizer, n: int) -> list[list[int]]:
+    system = "You are a careful assistant who counts things. " * 3
+    rows = []
+    for i in range(n):
+        text = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": f"count {'to ' * (i % 3)}{i}"}],
+            tokenize=False, add_generation_prompt=True)
+        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return rows
+
+
+def _hf_greedy(model, tokenizer, seqs, n, eos):
+    """model.generate on the same left-padded batch, cut after each row's first eos."""
+    batch = tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=eos)
+    rows = out[:, batch["input_ids"].size(1):].tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
+
+
+@pytest.mark.parametrize("use_prefix", [False, True])
+def test_greedy_decode_equals_generate(tiny, use_prefix, monkeypatch):
+    tokenizer, model = tiny
+    seqs = _prompts(tokenizer, 6)
+    # an eos id the random model emits early for some rows and late for others: rows leave the batch at
+    # different steps (compaction after every finished row), and the others must be unaffected
+    with torch.no_grad():
+        probe, _ = generate(model, seqs, 12, {"do_sample": False}, [], tokenizer.pad_token_id)
+    eos = [probe[0][3], probe[-1][7]]
+    monkeypatch.setattr(sampler, "COMPACT_SHARE", 0.01)
+    with torch.no_grad():
+        prefix = SharedPrefix.build(model, seqs) if use_prefix else None
+        assert (prefix is not None) == use_prefix
+        ours, logps = generate(model, seqs, 12, {"do_sample": False}, eos, tokenizer.pad_token_id, prefix)
+        expected = _hf_greedy(model, tokenizer, seqs, 12, eos)
+    assert ours == expected
+    assert len({len(r) for r in ours}) > 1  # rows did end at different steps
+    assert all(len(lp) == len(r) and all(x <= 0 for x in lp) for lp, r in zip(logps, ours, strict=True))
+
+
+def test_sampled_logprobs_are_the_models_teacher_forced_ones(tiny):
+    tokenizer, model = tiny
+    seqs = _prompts(tokenizer, 4)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        ids, logps = generate(model, seqs, 10, {"do_sample": True, "temperature": 0.7}, [tokenizer.eos_token_id],
+                              tokenizer.pad_token_id, SharedPrefix.build(model, seqs))
+        for seq, new, lp in zip(seqs, ids, logps, strict=True):
+            logits = model(torch.tensor([seq + new])).logits[0, len(seq) - 1:-1].float() / 0.7
+            forced = torch.log_softmax(logits, -1).gather(-1, torch.tensor(new)[:, None]).squeeze(-1)
+            assert torch.allclose(forced, torch.tensor(lp), atol=1e-4)
+
+
+def test_top_k_and_top_p_match_generates_warpers():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    for k in (1, 5, 49):
+        assert torch.equal(sampler._warp(logits, k, 1.0), TopKLogitsWarper(k)(None, logits.clone()))
+    for p in (0.1, 0.5, 0.9):
+        assert torch.equal(sampler._warp(logits, 0, p), TopPLogitsWarper(p)(None, logits.clone()))
+    both = TopPLogitsWarper(0.8)(None, TopKLogitsWarper(10)(None, logits.clone()))
+    assert torch.equal(sampler._warp(logits, 10, 0.8), both)
+
+
+def test_inverse_cdf_sampling_follows_the_softmax():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).repeat(40000, 1)
+    draws = sampler._sample(logits)
+    freq = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert freq[4] == 0  # a masked token is never drawn
+    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.01)
+
+
+def _lora_model(tokenizer):
+    torch.manual_seed(1)
+    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        task_type="CAUSAL_LM", init_lora_weights=False, lora_dropout=0.0)
+    return get_peft_model(model, config)
+
+
+def _batch(tokenizer, vocab: int):
+    prompts = _prompts(tokenizer, 4)
+    prompts = [p for p in prompts for _ in range(2)]  # groups of 2 share a prompt
+    width, length = max(map(len, prompts)), 9  # 8 rows: completions of 2..9 tokens
+    ids = torch.full((len(prompts), width + length), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    torch.manual_seed(2)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):width] = torch.tensor(p)
+        mask[i, width - len(p):width] = 1
+        n = 2 + i  # completions of different lengths (the longest fills the width), right-padded
+        ids[i, width:width + n] = torch.randint(5, vocab, (n,))
+        mask[i, width:width + n] = 1
+    return ids, mask, length
+
+
+def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
+    tokenizer = build_tiny_tokenizer()
+    model = _lora_model(tokenizer)
+    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
+    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
+    assert prefix >= MIN_PREFIX
+
+    def run(fn):
+        model.zero_grad()
+        logps, entropy = fn()
+        keep = mask[:, -length:].bool()
+        (logps[keep].sum() + 0.3 * entropy[keep].sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logps.detach(), entropy.detach(), keep, grads
+
+    def trl_path():
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-length] = -100
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        return out.log_probs[:, -length:], out.entropy[:, -length:]
+
+    expected = run(trl_path)
+    ours = run(lambda: per_token_logps(model, ids, mask, length, prefix, True, 3, contextlib.nullcontext))
+    keep = expected[2]
+    assert torch.allclose(ours[0][keep], expected[0][keep], atol=1e-5)
+    assert torch.allclose(ours[1][keep], expected[1][keep], atol=1e-5)
+    assert expected[3].keys() == ours[3].keys() and len(expected[3]) > 0
+    for name, grad in expected[3].items():
+        assert torch.allclose(ours[3][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_shared_prefix_length_leaves_every_row_a_token_and_sees_no_padding():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 1], [0, 5, 6, 7, 9, 9, 1], [5, 6, 7, 8, 9, 9, 1]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1], [1] * 7])
+    assert shared_prefix_length(ids, mask, 6) == 3  # 5 6 7, then the rows differ
+    same = torch.tensor([[5, 6, 7, 1], [5, 6, 7, 2]])
+    assert shared_prefix_length(same, torch.ones_like(same), 3) == 2  # identical prompts: one token left each
