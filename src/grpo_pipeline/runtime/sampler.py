@@ -15,7 +15,6 @@ Greedy decoding gives generate's tokens exactly (a test checks it, with and with
 import copy
 
 import torch
-
 from transformers.generation import utils as _generation_utils
 
 # transformers renamed generate's and forward's `past_key_values` to `cache` (5.2x)
