@@ -217,6 +217,8 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     trainer.shared_prefix_loss = cfg.training.shared_prefix_loss
+    if cfg.generation.oversample > 1:
+        trainer.train_completions = cfg.training.batch_size
     return trainer
 
 

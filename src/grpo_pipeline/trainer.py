@@ -6,10 +6,10 @@ turns the runtime's trajectories into what TRL trains on: prompt ids, completion
 turns), the env mask (env tokens carry no loss) and the sampled tokens' log-probabilities.
 """
 
-import logging
 import os
 import statistics
 
+import torch
 from trl import GRPOTrainer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
@@ -17,7 +17,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experi
 from grpo_pipeline import prefix_logps
 from grpo_pipeline.runtime.rollout import Rollout
 
-log = logging.getLogger(__name__)
+FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat
 
 
 class PipelineTrainer(GRPOTrainer):
@@ -25,6 +25,7 @@ class PipelineTrainer(GRPOTrainer):
     record_episodes = False  # the episode ledger is on (set on every process: rows are gathered from all)
     ledger = None  # the episode ledger (ledger.py), main process only
     shared_prefix_loss = False  # training.shared_prefix_loss: the batch's shared prompt prefix run once (prefix_logps)
+    train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **inputs):
@@ -52,6 +53,28 @@ class PipelineTrainer(GRPOTrainer):
             rows = gather_object([{k: v for k, v in x.items() if k != "prompt"} for x in inputs])  # as TRL gathers
             if self.ledger is not None:
                 self._record_episodes(rows)
+        if self.train_completions is not None and self.model.training:
+            out = self._keep_groups_with_spread(out)
+        return out
+
+    def _keep_groups_with_spread(self, out: dict) -> dict:
+        """Dynamic sampling: of the groups sampled, keep (in sampling order) up to train_completions' worth whose
+        rewards differ; if none does, one flat group (it trains nothing). A group is flat when every advantage in
+        it is ~0 (TRL's advantages are reward minus the group mean, over its std with scale_rewards=group; a float
+        mean is off by an ulp, hence the threshold). The loss normalizer is recounted for the rows kept."""
+        size = self.num_generations
+        advantages = out["advantages"]
+        groups = advantages.size(0) // size
+        spread = (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
+        kept = [g for g in range(groups) if spread[g]][: self.train_completions // size] or [0]
+        rows = torch.tensor([g * size + i for g in kept for i in range(size)], device=advantages.device)
+        out = {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == advantages.size(0)
+               else v for k, v in out.items()}
+        loss_mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        out["num_items_in_batch"] = loss_mask.sum()
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/groups_sampled"].append(float(groups))
+        metrics["dynamic_sampling/groups_trained"].append(float(sum(spread[g] for g in kept)))
         return out
 
     def _record_episodes(self, rows: list[dict]) -> None:

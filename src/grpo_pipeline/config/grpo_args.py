@@ -40,7 +40,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "warmup_steps": train.warmup_steps,
         "max_steps": train.max_steps,
         "num_train_epochs": train.num_epochs,
-        "per_device_train_batch_size": train.batch_size,
+        "per_device_train_batch_size": train.batch_size * gen.oversample,  # dynamic sampling keeps batch_size
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "max_grad_norm": train.max_grad_norm,
         "bf16": train.bf16,

@@ -42,6 +42,10 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # Dynamic sampling (DAPO): sample `oversample` x the step's groups, score them, and train on at most
+    # training.batch_size completions from the groups whose rewards differ (a group that scores the same
+    # everywhere gives GRPO nothing; it is not trained on). 1: off. One process, no gradient accumulation.
+    oversample: int = 1
 
 
 @dataclass

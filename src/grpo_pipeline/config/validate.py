@@ -38,6 +38,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"generation.top_p={gen.top_p}: must be in (0, 1].")
     if gen.top_k < 0:
         p.append(f"generation.top_k={gen.top_k}: must be >= 0 (0 disables it).")
+    if gen.oversample < 1:
+        p.append(f"generation.oversample={gen.oversample}: must be >= 1 (1 turns dynamic sampling off).")
+    elif gen.oversample > 1 and (world > 1 or cfg.training.gradient_accumulation_steps > 1):
+        p.append(f"generation.oversample={gen.oversample} (dynamic sampling) runs on one process without gradient "
+                 "accumulation: set generation.oversample=1, or training.gradient_accumulation_steps=1 and one process.")
 
     if loss.loss_type not in LOSS_TYPES:
         p.append(f"loss.loss_type={loss.loss_type!r}: use one of {LOSS_TYPES}.")

@@ -1,0 +1,88 @@
+"""Dynamic sampling (generation.oversample): more groups sampled than trained, the loss gets only groups whose
+rewards differ, at most training.batch_size completions, with the loss normalizer recounted."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from datasets import Dataset
+
+import grpo_pipeline.trainer as trainer_module
+from conftest import tiny_overrides
+from grpo_pipeline.config.validate import check_config
+from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.recipe import train
+from grpo_pipeline.trainer import PipelineTrainer
+
+
+def _out(advantages: list[float], size: int) -> dict:
+    n = len(advantages)
+    mask = torch.ones(n, 3, dtype=torch.long)
+    mask[:, 2] = torch.arange(n) % 2  # rows of 2 or 3 loss tokens
+    return {"prompt_ids": torch.arange(n)[:, None].repeat(1, 4), "completion_mask": mask,
+            "advantages": torch.tensor(advantages), "num_items_in_batch": mask.sum() * 10}
+
+
+def _select(advantages, size=2, keep=4):
+    fake = SimpleNamespace(num_generations=size, train_completions=keep,
+                           _metrics={"train": {"dynamic_sampling/groups_sampled": [],
+                                               "dynamic_sampling/groups_trained": []}})
+    return PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, size)), fake._metrics["train"]
+
+
+def test_keeps_groups_with_spread_in_sampling_order_up_to_the_batch():
+    #            group 0 flat  | group 1 spread | group 2 flat (ulp) | group 3 spread | group 4 spread
+    out, metrics = _select([0.0, 0.0, 0.7, -0.7, 1e-5, -1e-5, -1.0, 1.0, 0.5, -0.5])
+    assert out["prompt_ids"][:, 0].tolist() == [2, 3, 6, 7]  # groups 1 and 3: the batch (4) is full
+    assert out["advantages"].tolist() == pytest.approx([0.7, -0.7, -1.0, 1.0])
+    assert out["num_items_in_batch"].item() == out["completion_mask"].sum().item() == 10
+    assert metrics["dynamic_sampling/groups_sampled"] == [5.0] and metrics["dynamic_sampling/groups_trained"] == [2.0]
+
+
+def test_fewer_groups_with_spread_train_a_smaller_batch_and_none_trains_one_flat_group():
+    out, metrics = _select([0.0, 0.0, 0.3, -0.3, 0.0, 0.0])
+    assert out["prompt_ids"][:, 0].tolist() == [2, 3]
+    out, metrics = _select([0.0] * 6)
+    assert out["prompt_ids"][:, 0].tolist() == [0, 1] and out["advantages"].abs().sum() == 0
+    assert metrics["dynamic_sampling/groups_trained"] == [0.0]
+
+
+class HalfRightEnv:
+    """Rewards differ inside some groups (a completion's length parity) and not in others (even rows)."""
+
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"say something {i}", "i": i} for i in range(40)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        return 0.5 if i % 2 == 0 else float(len(completion) % 2)
+
+
+def test_a_run_trains_only_groups_with_spread(compose_cfg, tmp_path, monkeypatch):
+    seen = []
+    original = PipelineTrainer._compute_loss
+
+    def capture(self, model, inputs):
+        seen.append((inputs["advantages"].clone(), inputs["completion_mask"].sum().item(),
+                     inputs["num_items_in_batch"].item()))
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(PipelineTrainer, "_compute_loss", capture)
+    cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), "generation.oversample=3",
+                       "generation.max_new_tokens=6", "training.max_steps=3", "tracking.enabled=false"])
+    result = train(cfg, launch_dir=str(tmp_path), env=HalfRightEnv)
+    assert result.steps == 3 and len(seen) == 3
+    for advantages, mask_sum, normalizer in seen:
+        groups = advantages.view(-1, 2)
+        assert 1 <= len(groups) <= 2  # at most batch_size=4 completions of the 12 sampled
+        assert normalizer == mask_sum
+        if len(groups) == 2 or groups.abs().sum() > 0:
+            assert (groups.abs() > trainer_module.FLAT).any(dim=1).all()  # no flat group when one with spread exists
+    assert any((a.abs() > trainer_module.FLAT).any() for a, _, _ in seen)  # groups with spread were trained
+
+
+def test_oversample_is_checked(compose_cfg, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="generation.oversample=0"):
+        check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=0"]))
+    with pytest.raises(ConfigError, match="gradient accumulation"):
+        check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2",
+                                  "training.gradient_accumulation_steps=2"]))
