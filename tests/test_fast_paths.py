@@ -160,3 +160,33 @@ def test_shared_prefix_length_leaves_every_row_a_token_and_sees_no_padding():
     assert shared_prefix_length(ids, mask, 6) == 3  # 5 6 7, then the rows differ
     same = torch.tensor([[5, 6, 7, 1], [5, 6, 7, 2]])
     assert shared_prefix_length(same, torch.ones_like(same), 3) == 2  # identical prompts: one token left each
+
+
+def test_merged_copy_generates_like_the_policy_and_is_never_stale():
+    from grpo_pipeline.runtime.merged import MergedCopy
+
+    tokenizer = build_tiny_tokenizer()
+    policy = _lora_model(tokenizer).eval()
+    merged = MergedCopy()
+    ids = torch.tensor([_prompts(tokenizer, 1)[0]])
+
+    def logits(model):
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+
+    plain = merged.of(policy)
+    assert plain is not policy and not any("lora" in n for n, _ in plain.named_modules())
+    assert torch.allclose(logits(plain), logits(policy), atol=1e-5)
+    with torch.no_grad():  # an optimizer step on the adapter
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    assert not torch.allclose(logits(plain), logits(policy), atol=1e-3)  # the copy as it was: stale
+    assert merged.of(policy) is plain  # refreshed in place, not rebuilt
+    assert torch.allclose(logits(plain), logits(policy), atol=1e-5)
+    with policy.disable_adapter():  # the base weights were not touched by merging
+        base = logits(policy)
+    assert not torch.allclose(base, logits(policy), atol=1e-3)
+    # a plain (non-LoRA) model generates as itself
+    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
+    assert MergedCopy().of(model) is model

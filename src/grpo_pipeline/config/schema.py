@@ -153,6 +153,10 @@ class RuntimeConfig:
     # turn gets generation.max_new_tokens (an env's `turn_max_new_tokens` attribute wins).
     max_turns: int = 4
     max_episode_tokens: int = 1024
+    # Generate from a merged copy of a LoRA policy (plain layers holding W + BA, refreshed before every
+    # rollout): no per-token adapter overhead while decoding, at the cost of one copy of the model's memory.
+    # null: on when the model runs on the CPU.
+    merged_generation: bool | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
+from grpo_pipeline.runtime.merged import MergedCopy
 from grpo_pipeline.runtime.sampler import decode, expand_cache
 
 
@@ -64,19 +65,23 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
     if tool_functions or cfg.vllm.mode != "off":
         return None
     tools = get_tool_schemas(env) if supports_tools(tokenizer) else None
+    merged = cfg.runtime.merged_generation
+    merged = not torch.cuda.is_available() if merged is None else merged
     if not multi_turn:
         tokens = cfg.generation.max_new_tokens
-        return Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=tokens, max_episode_tokens=tokens, tools=tools)
+        return Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=tokens, max_episode_tokens=tokens, tools=tools,
+                       merged_generation=merged)
     return Rollout(env, tokenizer, runner,
                    max_turns=int(getattr(env, "max_turns", None) or cfg.runtime.max_turns),
                    turn_tokens=int(getattr(env, "turn_max_new_tokens", None) or cfg.generation.max_new_tokens),
-                   max_episode_tokens=cfg.runtime.max_episode_tokens, tools=tools)
+                   max_episode_tokens=cfg.runtime.max_episode_tokens, tools=tools, merged_generation=merged)
 
 
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
-                 tools: list[dict] | None = None):
+                 tools: list[dict] | None = None, merged_generation: bool = False):
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
+        self.merged = MergedCopy() if merged_generation else None
         self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
         self.tools = tools
@@ -90,10 +95,11 @@ class Rollout:
         the rollout's own limit (e.g. eval.max_new_tokens)."""
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
-        was_training = model.training
-        model.eval()
+        policy, was_training = model, model.training
+        policy.eval()
         try:
             with torch.no_grad():
+                model = self.merged.of(policy) if self.merged is not None else policy  # what generates
                 prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
                 for turn in range(self.max_turns):
                     live = [t for t in trajs if not t.done]
@@ -105,7 +111,7 @@ class Rollout:
                         break
                     self._env_turn(live)
         finally:
-            model.train(was_training)
+            policy.train(was_training)
         return trajs
 
     def _start(self, prompt, row: dict) -> Trajectory:

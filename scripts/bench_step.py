@@ -1,0 +1,137 @@
+"""Where a training step's time goes, and what the runtime's fast paths buy, side by side in one run.
+
+On the default model (SmolLM2-135M-Instruct + LoRA r=16), with the prompts of env=arithmetic (and env=hotel
+with --env hotel), for a batch of B completions (groups of 4 sharing a prompt):
+
+  rollout:  HF `model.generate` (sampling, output_logits for the log-probs)  vs  the runtime's decode loop
+            (runtime/sampler.py: shared-prefix KV cache, finished rows leave the batch, inverse-CDF sampling)
+  loss:     forward + backward of the completion log-probs and entropies, TRL's own path  vs  the shared
+            prompt prefix run once (prefix_logps.py)
+
+Each figure is the median of --repeats timings after one warm-up; the two sides of a row run alternately.
+
+    .venv/bin/python scripts/bench_step.py                  # B = 8 and 32, arithmetic
+    .venv/bin/python scripts/bench_step.py --env hotel --batch 8 --tokens 64
+"""
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--env", default="arithmetic", choices=["arithmetic", "hotel"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--tokens", type=int, default=32, help="max new tokens per completion")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_pipeline.api import compose_config
+    from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
+    from grpo_pipeline.recipe import load_env_and_dataset
+
+    cfg = compose_config([f"env={args.env}"])
+    tokenizer = load_tokenizer(cfg.model)
+    _, _, dataset, _ = load_env_and_dataset(cfg)
+    model = load_model(cfg.model, tokenizer)
+    add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
+    model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                                             target_modules=lora_target_modules(model_type(cfg.model), None),
+                                             task_type="CAUSAL_LM"))
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
+          f"threads; SmolLM2-135M + LoRA r={cfg.lora.r}; env={args.env}; max {args.tokens} new tokens")
+    print(f"{'B':>3} | {'part':<8} | {'baseline':>9} | {'runtime':>9} | ratio")
+    for batch in args.batch:
+        prompts = [_render(tokenizer, dataset[i // 4]["prompt"]) for i in range(batch)]
+        seqs = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        hf, ours, completions = _time_rollouts(model, tokenizer, seqs, args.tokens, args.repeats)
+        print(f"{batch:>3} | rollout  | {hf:>8.2f}s | {ours:>8.2f}s | {hf / ours:.2f}x")
+        trl, shared = _time_loss(model, seqs, completions, tokenizer.pad_token_id, args.repeats)
+        print(f"{batch:>3} | loss     | {trl:>8.2f}s | {shared:>8.2f}s | {trl / shared:.2f}x")
+        print(f"{batch:>3} | together | {hf + trl:>8.2f}s | {ours + shared:>8.2f}s | {(hf + trl) / (ours + shared):.2f}x")
+
+
+def _render(tokenizer, prompt) -> str:
+    from grpo_pipeline.prompts import render_prompt
+
+    return render_prompt(tokenizer, prompt)[0]
+
+
+def _time_rollouts(model, tokenizer, seqs, tokens, repeats):
+    from grpo_pipeline.runtime.rollout import SharedPrefix, generate
+
+    sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    eos = [tokenizer.eos_token_id]
+    batch = tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
+
+    def hf():
+        out = model.generate(**batch, max_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=eos, return_dict_in_generate=True, output_logits=True, **sampling)
+        return out.sequences
+
+    completions = []
+
+    def ours():
+        ids, _ = generate(model, seqs, tokens, sampling, eos, tokenizer.pad_token_id, SharedPrefix.build(model, seqs))
+        completions[:] = ids
+
+    model.eval()
+    with torch.no_grad():
+        a, b = _alternate(hf, ours, repeats)
+    model.train()
+    return a, b, list(completions)
+
+
+def _time_loss(model, seqs, completions, pad_id, repeats):
+    from grpo_pipeline.prefix_logps import per_token_logps, shared_prefix_length
+
+    width, length = max(map(len, seqs)), max(map(len, completions))
+    ids = torch.full((len(seqs), width + length), pad_id)
+    mask = torch.zeros_like(ids)
+    for i, (s, c) in enumerate(zip(seqs, completions, strict=True)):
+        ids[i, width - len(s):width], mask[i, width - len(s):width] = torch.tensor(s), 1
+        ids[i, width:width + len(c)], mask[i, width:width + len(c)] = torch.tensor(c), 1
+    keep = mask[:, -length:]
+
+    def backward(logps, entropy):
+        ((logps * keep).sum() + 0.1 * (entropy * keep).sum()).backward()
+        model.zero_grad()
+
+    def trl():
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-length] = -100
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        backward(out.log_probs[:, -length:], out.entropy[:, -length:])
+
+    prefix = shared_prefix_length(ids, mask, width)
+
+    def shared():
+        backward(*per_token_logps(model, ids, mask, length, prefix, True, len(seqs), contextlib.nullcontext))
+
+    return _alternate(trl, shared, repeats)
+
+
+def _alternate(first, second, repeats):
+    first(), second()  # warm-up
+    times = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((first, times[0]), (second, times[1])):
+            started = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+if __name__ == "__main__":
+    main()
