@@ -26,6 +26,8 @@ def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path):
     cfg = compose_cfg(["vllm=server", "vllm.server_port=8123", f"output_dir={tmp_path}"])
     kw = grpo_kwargs(cfg, str(tmp_path))
     assert kw["use_vllm"] is True and kw["vllm_mode"] == "server" and kw["vllm_server_port"] == 8123
-    cfg = compose_cfg(["vllm=colocate", "vllm.gpu_memory_utilization=0.5", f"output_dir={tmp_path}"])
-    kw = grpo_kwargs(cfg, str(tmp_path))
-    assert kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.5
+    cfg = compose_cfg(["vllm=colocate", "lora=off", "vllm.gpu_memory_utilization=0.5", f"output_dir={tmp_path}"])
+    kw = grpo_kwargs(cfg, str(tmp_path))  # full fine-tuning: TRL's vLLM (it pushes the weights)
+    assert kw["use_vllm"] is True and kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.5
+    cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])  # LoRA: the runtime's own vLLM engine
+    assert grpo_kwargs(cfg, str(tmp_path))["use_vllm"] is False

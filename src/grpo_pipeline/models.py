@@ -158,6 +158,11 @@ def read_chat_template(spec: str) -> str:
     return path.read_text()
 
 
+def model_dir(cfg: ModelConfig) -> str:
+    """The folder (or hub id) the weights load from: what vLLM loads."""
+    return str(convert_gguf(cfg)) if cfg.source == "gguf" else str(cfg.name_or_path)
+
+
 def load_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
     if cfg.source == "tiny":
         model = build_tiny_model(cfg, tokenizer)

@@ -219,6 +219,8 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     trainer.shared_prefix_loss = cfg.training.shared_prefix_loss
     if cfg.generation.oversample > 1:
         trainer.train_completions = cfg.training.batch_size
+    if rollout is not None and rollout.uses_vllm:
+        trainer.correct_sampler_mismatch()
     return trainer
 
 

@@ -15,6 +15,7 @@ from trl import GRPOTrainer
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
 
 from grpo_pipeline import prefix_logps
+from grpo_pipeline.config.grpo_args import CHECKPOINTING
 from grpo_pipeline.runtime.rollout import Rollout
 
 FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat
@@ -27,11 +28,19 @@ class PipelineTrainer(GRPOTrainer):
     shared_prefix_loss = False  # training.shared_prefix_loss: the batch's shared prompt prefix run once (prefix_logps)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
 
+    def correct_sampler_mismatch(self) -> None:
+        """Rollouts come from the runtime's vLLM engine (runtime/vllm_backend.py): switch on TRL's importance-sampling
+        correction for vLLM samples (sequence_mask, clip 3 by default) and its sampling/* metrics. TRL gates them on
+        use_vllm; its weight sync becomes a no-op, since the runtime hands vLLM the adapter before every rollout."""
+        self.use_vllm = True
+        self.vllm_generation = _RuntimeSyncsWeights()
+        self._last_loaded_step = -1
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **inputs):
         prefix = 0
         if (self.shared_prefix_loss and not compute_aux_loss and self.accelerator.num_processes == 1
-                and not self.args.activation_checkpointing and all(v is None for v in inputs.values())):
+                and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())):
             prefix = prefix_logps.shared_prefix_length(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if prefix < prefix_logps.MIN_PREFIX:
             return super()._get_per_token_logps_and_entropies(
@@ -95,6 +104,11 @@ class PipelineTrainer(GRPOTrainer):
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
                            transcripts="transcript" in extra)
+
+
+class _RuntimeSyncsWeights:
+    def sync_weights(self) -> None:  # TRL calls this before each rollout; runtime/vllm_backend.py already synced
+        pass
 
 
 def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):

@@ -11,6 +11,12 @@ import torch
 from trl import GRPOConfig
 
 from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
+
+# transformers 5.20 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing; the CPU vLLM
+# stack (make install-vllm) runs 5.19
+CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in GRPOConfig.__dataclass_fields__
+                 else "gradient_checkpointing")
 
 
 def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None) -> dict[str, Any]:
@@ -44,7 +50,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
         "max_grad_norm": train.max_grad_norm,
         "bf16": train.bf16,
-        "activation_checkpointing": train.activation_checkpointing,
+        CHECKPOINTING: train.activation_checkpointing,
         "use_cpu": use_cpu,
         # logging and saving: metrics go to MLflow through our own callback (tracking.py)
         "logging_steps": train.logging_steps,
@@ -54,10 +60,10 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "report_to": "none",
         "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
         "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs
-        # generation backend
-        "use_vllm": vllm.mode != "off",
+        # generation backend: TRL's vLLM, unless the runtime generates through vLLM itself (vllm_backend.py)
+        "use_vllm": vllm.mode != "off" and not vllm_in_runtime(cfg),
     }
-    if vllm.mode != "off":
+    if kwargs["use_vllm"]:
         kwargs |= {
             "vllm_mode": vllm.mode,
             "vllm_tensor_parallel_size": vllm.tensor_parallel_size,

@@ -76,6 +76,8 @@ class VllmConfig:
     server_port: int = 8000
     # GPUs dedicated to the vLLM server (server mode); the rest train.
     server_gpus: int = 1
+    # Longest sequence (prompt + completion, every turn) the runtime's colocated vLLM engine holds.
+    max_model_len: int = 2048
 
 
 @dataclass

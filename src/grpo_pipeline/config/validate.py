@@ -119,10 +119,25 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
     import torch  # here, not at the top: a config error must print before torch loads
 
     p = []
-    if not torch.cuda.is_available():
-        p.append(f"vllm={vllm.mode} needs a GPU and none is visible; use vllm=off on this machine.")
+    gpu = torch.cuda.is_available()
     if importlib.util.find_spec("vllm") is None:
-        p.append(f"vllm={vllm.mode} needs the vllm package: pip install '.[vllm]' (GPU machines only).")
+        p.append(f"vllm={vllm.mode} needs the vllm package: on a CPU machine `make install-vllm` installs its CPU "
+                 "build into .venv-vllm (run from there); on GPUs pip install '.[vllm]'.")
+    if vllm.mode == "server" and not gpu:
+        p.append("vllm=server needs GPUs: TRL's vLLM server takes the trainer's weights over NCCL, which needs CUDA. "
+                 "On a CPU use vllm=colocate (with LoRA), or vllm=off.")
+    if vllm.mode == "colocate" and not gpu and not cfg.lora.enabled:
+        p.append("vllm=colocate on a CPU needs LoRA (lora=default): the policy reaches vLLM as a LoRA adapter; the "
+                 "CPU build of vLLM cannot take pushed full weights ('Parameter' object has no attribute "
+                 "'weight_loader' in vLLM's linear.py). Use lora=default, or vllm=off.")
+    if vllm.mode == "colocate" and cfg.lora.enabled and world > 1:
+        p.append(f"vllm=colocate with LoRA runs vLLM inside the one training process; {world} processes were "
+                 "started. Use one process, or vllm=server.")
+    if vllm.mode == "colocate" and cfg.model.source == "tiny":
+        p.append("vllm=colocate with model=tiny: vLLM loads a model folder, and the tiny model is built in code. "
+                 "Use model=smollm2_135m (or a hub model), or vllm=off.")
+    if vllm.max_model_len < 16:
+        p.append(f"vllm.max_model_len={vllm.max_model_len}: must be >= 16.")
     if not 0 < vllm.gpu_memory_utilization <= 1:
         p.append(f"vllm.gpu_memory_utilization={vllm.gpu_memory_utilization}: must be in (0, 1].")
     if vllm.tensor_parallel_size < 1:
