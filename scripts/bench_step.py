@@ -3,8 +3,9 @@
 On the default model (SmolLM2-135M-Instruct + LoRA r=16), with the prompts of env=arithmetic (and env=hotel
 with --env hotel), for a batch of B completions (groups of 4 sharing a prompt):
 
-  rollout:  HF `model.generate` (sampling, output_logits for the log-probs)  vs  the runtime's decode loop
-            (runtime/sampler.py: shared-prefix KV cache, finished rows leave the batch, inverse-CDF sampling)
+  rollout:  HF `model.generate` on the LoRA model (sampling, output_logits for the log-probs)  vs  the runtime's
+            decode loop (runtime/sampler.py: shared-prefix KV cache, finished rows leave the batch, inverse-CDF
+            sampling) on the merged copy of the policy (runtime/merged.py), as the pipeline runs it
   loss:     forward + backward of the completion log-probs and entropies, TRL's own path  vs  the shared
             prompt prefix run once (prefix_logps.py)
 
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="max new tokens per completion")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora-targets", default=None, help="comma-separated (default: the model family's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -47,7 +49,9 @@ def main() -> None:
     model = load_model(cfg.model, tokenizer)
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
     model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                             target_modules=lora_target_modules(model_type(cfg.model), None),
+                                             target_modules=lora_target_modules(
+                                                 model_type(cfg.model),
+                                                 args.lora_targets.split(",") if args.lora_targets else None),
                                              task_type="CAUSAL_LM"))
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M + LoRA r={cfg.lora.r}; env={args.env}; max {args.tokens} new tokens")
@@ -69,8 +73,10 @@ def _render(tokenizer, prompt) -> str:
 
 
 def _time_rollouts(model, tokenizer, seqs, tokens, repeats):
+    from grpo_pipeline.runtime.merged import MergedCopy
     from grpo_pipeline.runtime.rollout import SharedPrefix, generate
 
+    merged = MergedCopy()
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     eos = [tokenizer.eos_token_id]
     batch = tokenizer.pad({"input_ids": seqs}, return_tensors="pt")
@@ -83,7 +89,8 @@ def _time_rollouts(model, tokenizer, seqs, tokens, repeats):
     completions = []
 
     def ours():
-        ids, _ = generate(model, seqs, tokens, sampling, eos, tokenizer.pad_token_id, SharedPrefix.build(model, seqs))
+        plain = merged.of(model)  # refreshed from the adapter every time, as in training
+        ids, _ = generate(plain, seqs, tokens, sampling, eos, tokenizer.pad_token_id, SharedPrefix.build(plain, seqs))
         completions[:] = ids
 
     model.eval()

@@ -86,3 +86,33 @@ def test_oversample_is_checked(compose_cfg, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="gradient accumulation"):
         check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2",
                                   "training.gradient_accumulation_steps=2"]))
+
+
+class FourRowEnv:
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"say {w}", "w": w} for w in "abcd"])
+
+    def score_episode(self, model, tokenizer, completion, w):
+        return float(w in completion)
+
+
+def test_a_four_row_env_trains_with_the_default_step_shape_and_says_what_it_chose(compose_cfg, tmp_path, caplog):
+    # 16 completions x oversample 2 / 4 generations = 8 prompts a step, from 4 rows: TRL would train nothing
+    cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), "training.batch_size=16",
+                       "generation.num_generations=4", "generation.oversample=2", "training.max_steps=3",
+                       "tracking.enabled=false"])
+    with caplog.at_level("WARNING"):
+        result = train(cfg, launch_dir=str(tmp_path), env=FourRowEnv)
+    assert result.steps == 3
+    assert "FourRowEnv has 4 training prompt(s) but a step samples 8" in caplog.text
+    assert "using training.batch_size=16, generation.oversample=1 (4 prompt(s) a step)" in caplog.text
+
+
+def test_fit_step_to_data_shrinks_oversampling_first_then_the_batch(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import fit_step_to_data
+
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=16", "generation.num_generations=4",
+                       "generation.oversample=3"])
+    assert fit_step_to_data(cfg, 12, "E") is None  # 12 prompts a step: fits
+    assert fit_step_to_data(cfg, 9, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (2, 16)
+    assert fit_step_to_data(cfg, 2, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (1, 8)

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_pipeline.callbacks import RunLogger, StopControl
 from grpo_pipeline.checkpoints import RUN_ID_FILE, TrainingStopped, remove_incomplete, resolve_resume
-from grpo_pipeline.config.validate import check_config
+from grpo_pipeline.config.validate import check_config, fit_step_to_data
 from grpo_pipeline.envs.loader import (
     build_env_dataset,
     get_tool_functions,
@@ -61,6 +61,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     split = Split(dataset, None, None)
     if cfg.eval.enabled:
         split = split_heldout(dataset, cfg.eval, env_name, _as_list(getattr(env, "heldout_group_by", None)))
+    fitted = fit_step_to_data(cfg, len(split.train), env_name)
+    if fitted:
+        log.warning(fitted)
     gen = cfg.generation
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),

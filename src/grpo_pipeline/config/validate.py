@@ -158,3 +158,22 @@ def check_config(cfg: TrainConfig) -> None:
     problems = config_problems(cfg)
     if problems:
         raise ConfigError("Invalid config:\n" + "\n".join(f"  - {x}" for x in problems))
+
+
+def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
+    """A step samples training.batch_size x generation.oversample / num_generations prompts; an env with fewer
+    training rows than that would never fill one step (TRL then trains nothing). Shrink the step to the data,
+    dynamic sampling first, and say what was chosen. Returns that message, or None when the step fits."""
+    gen, train = cfg.generation, cfg.training
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    asked = train.batch_size * gen.oversample * world // gen.num_generations  # prompts per step
+    if rows >= asked or rows < 1:
+        return None
+    before = f"training.batch_size={train.batch_size}, generation.oversample={gen.oversample}"
+    gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * world)))
+    if rows * gen.num_generations < train.batch_size * gen.oversample * world:
+        train.batch_size = max(gen.num_generations, rows // world * gen.num_generations)
+    return (f"{env_name} has {rows} training prompt(s) but a step samples {asked} ({before}, "
+            f"generation.num_generations={gen.num_generations}): using training.batch_size={train.batch_size}, "
+            f"generation.oversample={gen.oversample} ({train.batch_size * gen.oversample // gen.num_generations} "
+            "prompt(s) a step). Set them yourself to choose.")

@@ -32,8 +32,15 @@ def vllm_in_runtime(cfg) -> bool:
 class VllmBackend:
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, lora_rank: int | None,
                  gpu_memory_utilization: float, seed: int):
+        import torch
+
+        threads = torch.get_num_threads()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no IPC per step
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU (default 4)
+        # vLLM would pin this process's threads to cores and drop torch to 1 thread "for serving": the trainer
+        # shares the process and needs its threads
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         try:
             from vllm import LLM
         except ImportError as e:
@@ -45,6 +52,7 @@ class VllmBackend:
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enforce_eager=True, **kwargs)
+        torch.set_num_threads(threads)
         self.lora_rank = lora_rank
         self._adapters = Path(tempfile.mkdtemp(prefix="grpo_vllm_lora_"))
         self._lora = None

@@ -1,0 +1,108 @@
+"""HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side.
+
+Runs in the CPU vLLM venv (`make install-vllm`), on the default model (SmolLM2-135M + the default LoRA):
+
+  rollout, single-turn   one step's completions of env=arithmetic (B prompts' groups of 4, 32 new tokens)
+  rollout, 3-turn        8 episodes of env=hotel (up to 3 assistant turns of 64 tokens, the env's replies)
+  whole step             a real training run per backend (training.max_steps=--steps, eval off): median of
+                         TRL's step_time over the steps after the first (the first warms vLLM up)
+
+Same prompts, same sampling (temperature 1, no top-k/top-p). Each rollout figure is the median of --repeats
+after a warm-up; the two backends alternate.
+
+    make install-vllm && .venv-vllm/bin/python scripts/bench_rollouts.py
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=16, help="single-turn completions per step")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="training steps per backend (0: skip)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
+          f"threads; SmolLM2-135M + LoRA r=16")
+    print(f"{'part':<34} | {'HF decode':>10} | {'vLLM':>10} | HF / vLLM")
+    for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
+                             ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")):
+        hf, vllm = _rollouts(env, batch, args.repeats)
+        print(f"{name:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
+    if args.steps > 1:
+        for env in ("arithmetic", "hotel"):
+            hf, vllm = (_step_time(env, mode, args.steps) for mode in ("off", "colocate"))
+            print(f"{'whole step, ' + env:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
+
+
+def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
+    from grpo_pipeline.api import compose_config
+    from grpo_pipeline.models import load_model
+    from grpo_pipeline.recipe import load_env_and_dataset, sampling
+    from grpo_pipeline.runtime.episodes import EpisodeRunner
+    from grpo_pipeline.runtime.rollout import make_rollout
+
+    runs = {}
+    for mode in ("off", "colocate"):
+        cfg = compose_config([f"env={env_name}", f"vllm={mode}", "vllm.max_model_len=2048"])
+        env, tokenizer, dataset, tools = load_env_and_dataset(cfg, render_tools=False)
+        columns = [c for c in dataset.column_names if c != "prompt"]
+        runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation),
+                               group_size=cfg.generation.num_generations)
+        rollout = make_rollout(cfg, env, tokenizer, runner, tools)
+        runs[mode] = (rollout, cfg)
+    from peft import LoraConfig, get_peft_model
+
+    cfg = runs["off"][1]
+    policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        task_type="CAUSAL_LM"))
+    runs["off"][0].runner.bind(policy)
+    runs["colocate"][0].runner.bind(policy)
+    prompts = [dataset[i // 4]["prompt"] for i in range(batch)]
+    rows = [{c: dataset[i // 4][c] for c in columns} for i in range(batch)]
+    sample = sampling(cfg.generation)
+
+    def timed(mode):
+        started = time.perf_counter()
+        runs[mode][0].run(policy, prompts, rows, sample)
+        return time.perf_counter() - started
+
+    timed("off"), timed("colocate")  # warm-up (vLLM's first call is several times slower)
+    times = {"off": [], "colocate": []}
+    for _ in range(repeats):
+        for mode in times:
+            times[mode].append(timed(mode))
+    runs["colocate"][0].vllm.close()
+    return statistics.median(times["off"]), statistics.median(times["colocate"])
+
+
+def _step_time(env_name: str, mode: str, steps: int) -> float:
+    from mlflow.tracking import MlflowClient
+
+    from grpo_pipeline.api import compose_config
+    from grpo_pipeline.recipe import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        db = f"sqlite:///{tmp}/mlflow.db"
+        cfg = compose_config([f"env={env_name}", f"vllm={mode}", f"training.max_steps={steps}", "eval.enabled=false",
+                              f"output_dir={tmp}/run", f"tracking.tracking_uri={db}", "ledger.enabled=false"])
+        result = train(cfg, launch_dir=tmp)
+        history = MlflowClient(db).get_metric_history(result.mlflow_run_id, "step_time")
+        values = [m.value for m in sorted(history, key=lambda m: m.step)][1:]
+    return statistics.median(values)
+
+
+if __name__ == "__main__":
+    main()
