@@ -184,3 +184,41 @@ def test_hotel_respond_runs_tools_and_scores_the_transcript():
     assert env.score_episode(None, None, transcript[:2], request) == 0.2  # searched, never booked
     assert env.respond([{"role": "assistant", "content": "<tool_call>{oops</tool_call>"}], request)["role"] == "user"
     assert env.episode_metrics(transcript, request) == {"tool_calls": 2.0, "malformed_tool_calls": 0.0}
+
+
+def test_a_multi_turn_run_resumes_from_its_checkpoint(compose_cfg, tmp_path):
+    overrides = [*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "training.save_steps=1"]
+    first = recipe.train(compose_cfg([*overrides, "training.max_steps=1"]), launch_dir=str(tmp_path), env=ToolEnv())
+    assert first.steps == 1 and (tmp_path / "run" / "checkpoints" / "checkpoint-1").is_dir()
+    cfg = compose_cfg([*overrides, "training.max_steps=3", f"resume={tmp_path / 'run'}"])
+    resumed = recipe.train(cfg, launch_dir=str(tmp_path), env=ToolEnv())
+    assert resumed.steps == 3 and resumed.mlflow_run_id == first.mlflow_run_id
+    from mlflow.tracking import MlflowClient
+
+    from grpo_pipeline.ledger import read
+
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(resumed.mlflow_run_id,
+                                                                                     "env/turns_mean")
+    assert sorted(m.step for m in history) == [1, 2, 3]  # every step once, the resumed ones multi-turn too
+    steps = [e["step"] for e in read(tmp_path / "run" / "episodes.jsonl") if e["split"] == "train"]
+    assert sorted(set(steps)) == [1, 2, 3] and all(steps.count(s) == 4 for s in (1, 2, 3))
+
+
+def test_a_multirun_sweep_over_the_hotel_env(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "grpo_pipeline", "-m", "model=tiny", "env=hotel", "env.num_samples=24",
+         "env.turn_max_new_tokens=6", "training.max_steps=1", "training.batch_size=4", "generation.num_generations=2",
+         "eval.enabled=false", "loss.kl_coef=0,0.1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("grpo_pipeline").experiment_id])
+    jobs = [r for r in runs if r.data.params.get("env._target_") == "grpo_pipeline.envs.hotel.HotelEnv"]
+    assert len(jobs) == 2 and {r.data.params["loss.kl_coef"] for r in jobs} == {"0.0", "0.1"}
+    assert all(r.info.status == "FINISHED" and r.data.metrics["env/turns_mean"] >= 1 for r in jobs)
