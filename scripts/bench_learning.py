@@ -25,6 +25,7 @@ from hydra.core.global_hydra import GlobalHydra
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.recipe import train
+from grpo_pipeline.tracking import default_tracking_uri, metric_history
 
 
 def run_seed(seed: int, overrides: list[str], out: Path) -> dict:
@@ -49,12 +50,7 @@ def run_seed(seed: int, overrides: list[str], out: Path) -> dict:
 
 
 def _metric(run_id: str, key: str) -> list[float]:
-    from mlflow.tracking import MlflowClient
-
-    from grpo_pipeline.tracking import default_tracking_uri
-
-    history = MlflowClient(default_tracking_uri(os.getcwd())).get_metric_history(run_id, key)
-    return [m.value for m in sorted(history, key=lambda m: m.step)]
+    return metric_history(default_tracking_uri(os.getcwd()), run_id, key)
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.envs.hotel import HotelEnv
 from grpo_pipeline.prompts import render_prompt
 from grpo_pipeline.recipe import train
+from grpo_pipeline.tracking import default_tracking_uri, metric_history
 
 
 class FirstTurnHotel(HotelEnv):
@@ -60,14 +61,18 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[
             "env=hotel", f"seed={seed}", f"training.max_minutes={minutes}", "training.max_steps=1000",
-            "generation.max_new_tokens=64", "eval.every_steps=0", f"output_dir={out / f'{mode}-seed{seed}'}",
+            # a step: 8 episodes (2 requests x 4), up to 3 turns of 64 tokens, as in issue 13
+            "training.batch_size=8", "generation.oversample=1", "generation.max_new_tokens=64",
+            "eval.every_steps=0", f"output_dir={out / f'{mode}-seed{seed}'}",
             "tracking.experiment_name=bench_multiturn", *overrides])
     env_kwargs = {k: v for k, v in cfg.env.items() if k != "_target_"}
     started = time.monotonic()
     r = train(cfg, launch_dir=os.getcwd(), overrides=[f"mode={mode}", f"seed={seed}", *overrides],
               env=MODES[mode](**env_kwargs))
     wall = time.monotonic() - started
+    flat = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "frac_reward_zero_std")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
+            "flat_groups": statistics.fmean(flat) if flat else None,
             "s_per_step": r.train_seconds / max(r.steps, 1), "wait_before_first_step": r.startup_seconds,
             "rewards": r.rewards, "wall_s": wall}
 
@@ -95,12 +100,14 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; {args.minutes:g} min of training per run; overrides {args.overrides}")
-    print(f"{'mode':>10} | seed | {'mean reward':>15} | {'success':>12} | steps | s/step | wait before step 1")
+    print(f"{'mode':>10} | seed | {'mean reward':>15} | {'success':>12} | steps | s/step | wait before step 1 | "
+          "train reward first 3 -> last 3 | flat groups")
     for r in rows:
-        b, a = r["before"], r["after"]
+        b, a, curve = r["before"], r["after"], r["rewards"]
         print(f"{r['mode']:>10} | {r['seed']:>4} | {b['mean_reward']:.3f} -> {a['mean_reward']:.3f} | "
               f"{b['success_rate']:.2f} -> {a['success_rate']:.2f} | {r['steps']:>5} | {r['s_per_step']:>6.1f} | "
-              f"{r['wait_before_first_step']:.0f} s")
+              f"{r['wait_before_first_step']:>16.0f} s | {statistics.fmean(curve[:3]):.3f} -> "
+              f"{statistics.fmean(curve[-3:]):.3f} | {r['flat_groups'] or 0:.2f}")
     for mode in args.modes:
         lifts = [r["after"]["success_rate"] - r["before"]["success_rate"] for r in rows if r["mode"] == mode]
         if lifts:

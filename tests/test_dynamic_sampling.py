@@ -80,12 +80,16 @@ def test_a_run_trains_only_groups_with_spread(compose_cfg, tmp_path, monkeypatch
     assert any((a.abs() > trainer_module.FLAT).any() for a, _, _ in seen)  # groups with spread were trained
 
 
-def test_oversample_is_checked(compose_cfg, tmp_path, monkeypatch):
+def test_oversample_is_checked_and_off_where_groups_cannot_be_picked_locally(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.config.validate import fit_step_to_data
+
     with pytest.raises(ConfigError, match="generation.oversample=0"):
         check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=0"]))
-    with pytest.raises(ConfigError, match="gradient accumulation"):
-        check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2",
-                                  "training.gradient_accumulation_steps=2"]))
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2", "training.gradient_accumulation_steps=2"])
+    assert "it is off" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2"])
+    assert "with 2 process(es)" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
 
 
 class FourRowEnv:

@@ -39,7 +39,8 @@ def test_tiny_model_is_deterministic_and_stops_at_eos():
 
 
 def test_lora_targets_per_family():
-    assert lora_target_modules("llama", None) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert lora_target_modules("llama", None) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                  "down_proj"]
     assert lora_target_modules("whatever", ["fc"]) == ["fc"]
     with pytest.raises(ConfigError, match="model family 'mamba' has no default. Set lora.target_modules"):
         lora_target_modules("mamba", None)

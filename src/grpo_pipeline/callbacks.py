@@ -40,6 +40,10 @@ class RunLogger(ProgressCallback):
             f"reward {metrics['reward']:.3f}",
         ]
         parts += [f"{key} {metrics[key]:.4g}" for key in ("kl", "loss") if key in metrics]
+        if "entropy" in metrics:  # a policy collapsing onto one answer shows here first
+            parts.append(f"entropy {metrics['entropy']:.3f}")
+        if "frac_reward_zero_std" in metrics:  # groups that gave GRPO nothing
+            parts.append(f"flat {metrics['frac_reward_zero_std']:.2f}")
         if "completions/mean_length" in metrics:
             parts.append(f"len {metrics['completions/mean_length']:.1f}")
         if metrics.get("env/failures"):

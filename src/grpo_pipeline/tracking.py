@@ -40,6 +40,14 @@ def default_tracking_uri(launch_dir: str | Path) -> str:
     return f"sqlite:///{Path(launch_dir).resolve() / 'outputs' / 'mlflow.db'}"
 
 
+def metric_history(tracking_uri: str, run_id: str, key: str) -> list[float]:
+    """One metric of a run, in step order (for benchmarks and reports)."""
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(tracking_uri).get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
 def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     """{'loss': {'kl_coef': 0.1}} -> {'loss.kl_coef': '0.1'}: the params of a run."""
     if isinstance(node, dict):

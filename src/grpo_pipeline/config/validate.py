@@ -40,9 +40,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"generation.top_k={gen.top_k}: must be >= 0 (0 disables it).")
     if gen.oversample < 1:
         p.append(f"generation.oversample={gen.oversample}: must be >= 1 (1 turns dynamic sampling off).")
-    elif gen.oversample > 1 and (world > 1 or cfg.training.gradient_accumulation_steps > 1):
-        p.append(f"generation.oversample={gen.oversample} (dynamic sampling) runs on one process without gradient "
-                 "accumulation: set generation.oversample=1, or training.gradient_accumulation_steps=1 and one process.")
 
     if loss.loss_type not in LOSS_TYPES:
         p.append(f"loss.loss_type={loss.loss_type!r}: use one of {LOSS_TYPES}.")
@@ -161,19 +158,28 @@ def check_config(cfg: TrainConfig) -> None:
 
 
 def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
-    """A step samples training.batch_size x generation.oversample / num_generations prompts; an env with fewer
-    training rows than that would never fill one step (TRL then trains nothing). Shrink the step to the data,
-    dynamic sampling first, and say what was chosen. Returns that message, or None when the step fits."""
+    """Fit the step's shape to where it runs and to the data, saying what was chosen (None: nothing changed).
+    Dynamic sampling picks whole groups on one process, so it is off with several processes or gradient
+    accumulation (a group may span them). A step samples batch_size x oversample / num_generations prompts; an
+    env with fewer training rows would never fill one step (TRL then trains nothing): the step shrinks to the
+    data, dynamic sampling first."""
     gen, train = cfg.generation, cfg.training
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    said = []
+    if gen.oversample > 1 and (world > 1 or train.gradient_accumulation_steps > 1):
+        gen.oversample = 1
+        said.append(f"generation.oversample (dynamic sampling) runs on one process without gradient accumulation; "
+                    f"with {world} process(es) and training.gradient_accumulation_steps="
+                    f"{train.gradient_accumulation_steps} it is off (generation.oversample=1).")
     asked = train.batch_size * gen.oversample * world // gen.num_generations  # prompts per step
-    if rows >= asked or rows < 1:
-        return None
-    before = f"training.batch_size={train.batch_size}, generation.oversample={gen.oversample}"
-    gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * world)))
-    if rows * gen.num_generations < train.batch_size * gen.oversample * world:
-        train.batch_size = max(gen.num_generations, rows // world * gen.num_generations)
-    return (f"{env_name} has {rows} training prompt(s) but a step samples {asked} ({before}, "
-            f"generation.num_generations={gen.num_generations}): using training.batch_size={train.batch_size}, "
-            f"generation.oversample={gen.oversample} ({train.batch_size * gen.oversample // gen.num_generations} "
-            "prompt(s) a step). Set them yourself to choose.")
+    if 1 <= rows < asked:
+        before = f"training.batch_size={train.batch_size}, generation.oversample={gen.oversample}"
+        gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * world)))
+        if rows * gen.num_generations < train.batch_size * gen.oversample * world:
+            train.batch_size = max(gen.num_generations, rows // world * gen.num_generations)
+        said.append(f"{env_name} has {rows} training prompt(s) but a step samples {asked} ({before}, "
+                    f"generation.num_generations={gen.num_generations}): using training.batch_size="
+                    f"{train.batch_size}, generation.oversample={gen.oversample} "
+                    f"({train.batch_size * gen.oversample // gen.num_generations} prompt(s) a step). "
+                    "Set them yourself to choose.")
+    return " ".join(said) or None
