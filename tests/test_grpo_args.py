@@ -15,7 +15,10 @@ def test_user_names_map_onto_trl(compose_cfg, tmp_path):
     assert kw["max_completion_length"] == 77 and kw["temperature"] == 0.7
     assert kw["top_k"] == 20 and kw["top_p"] == 0.9 and kw["num_generations"] == 4
     assert kw["loss_type"] == "grpo" and kw["mask_truncated_completions"] is True
-    assert kw["per_device_train_batch_size"] == 8 and kw["num_train_epochs"] == 2
+    # dynamic sampling: TRL samples batch_size x oversample completions, the trainer keeps batch_size of them
+    assert cfg.generation.oversample == 2 and kw["per_device_train_batch_size"] == 16 and kw["num_train_epochs"] == 2
+    cfg.generation.oversample = 1
+    assert grpo_kwargs(cfg, str(tmp_path), reward_weights=[1.0])["per_device_train_batch_size"] == 8
     assert kw["use_vllm"] is False and kw["remove_unused_columns"] is False
     args = build_grpo_config(cfg, str(tmp_path), [1.0])
     assert (args.beta, args.epsilon, args.loss_type, args.max_completion_length) == (0.07, 0.15, "grpo", 77)
