@@ -27,6 +27,7 @@ def _select(advantages, size=2, keep=4):
     fake = SimpleNamespace(num_generations=size, train_completions=keep,
                            _metrics={"train": {"dynamic_sampling/groups_sampled": [],
                                                "dynamic_sampling/groups_trained": []}})
+    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)  # no rewards: advantages
     return PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, size)), fake._metrics["train"]
 
 
@@ -45,6 +46,26 @@ def test_fewer_groups_with_spread_train_a_smaller_batch_and_none_trains_one_flat
     out, metrics = _select([0.0] * 6)
     assert out["prompt_ids"][:, 0].tolist() == [0, 1] and out["advantages"].abs().sum() == 0
     assert metrics["dynamic_sampling/groups_trained"] == [0.0]
+
+
+def test_flatness_is_read_from_the_rewards_not_the_advantages():
+    # dr_grpo (scale_rewards=none): rewards 1e-4 apart give advantages of 5e-5, below FLAT, yet they differ;
+    # a group of identical non-dyadic rewards is flat whatever float noise its advantages carry; a group whose
+    # only other completion was scored by no reward function is flat (TRL gives the unscored one advantage 0)
+    advantages = [5e-5, -5e-5, 2e-3, -2e-3, 0.5, -0.5]
+    fake = SimpleNamespace(num_generations=2, train_completions=4, reward_weights=torch.tensor([1.0, 1.0]),
+                           args=SimpleNamespace(multi_objective_aggregation="sum_then_normalize"),
+                           _logs={"rewards": {"a": [0.3, 0.3001, 0.1, 0.1, 0.7, float("nan")],
+                                              "b": [0.0, 0.0, 0.1, 0.1, 0.0, float("nan")]}},
+                           _metrics={"train": {"dynamic_sampling/groups_sampled": [],
+                                               "dynamic_sampling/groups_trained": []}})
+    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)
+    out = PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, 2))
+    assert out["prompt_ids"][:, 0].tolist() == [0, 1]
+    assert fake._metrics["train"]["dynamic_sampling/groups_trained"] == [1.0]
+    fake._logs["rewards"] = {"a": [0.2] * 6, "b": [0.1] * 6}  # nothing differs: one group, advantages exactly 0
+    out = PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, 2))
+    assert out["advantages"].tolist() == [0.0, 0.0] and out["prompt_ids"][:, 0].tolist() == [0, 1]
 
 
 class HalfRightEnv:
@@ -120,3 +141,19 @@ def test_fit_step_to_data_shrinks_oversampling_first_then_the_batch(compose_cfg,
     assert fit_step_to_data(cfg, 12, "E") is None  # 12 prompts a step: fits
     assert fit_step_to_data(cfg, 9, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (2, 16)
     assert fit_step_to_data(cfg, 2, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (1, 8)
+
+
+def test_fit_step_to_data_counts_gradient_accumulation_and_refuses_what_cannot_fill_a_generation(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import fit_step_to_data
+
+    # TRL samples batch_size x gradient_accumulation_steps completions per generation: 8 x 2 / 4 = 4 prompts
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=8", "generation.num_generations=4",
+                       "generation.oversample=1", "training.gradient_accumulation_steps=2"])
+    assert fit_step_to_data(cfg, 4, "E") is None
+    said = fit_step_to_data(cfg, 3, "E")  # 3 rows: one group per accumulation step = 2 prompts
+    assert cfg.training.batch_size == 4 and "a step samples 4" in said and "(2 prompt(s) a step over 1 process(es)" in said
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=8", "generation.num_generations=4",
+                       "generation.oversample=1", "training.gradient_accumulation_steps=4"])
+    with pytest.raises(ConfigError, match=r"E has 3 training prompt\(s\), fewer than one generation needs: 4 .*"
+                                          r"Lower training.gradient_accumulation_steps"):
+        fit_step_to_data(cfg, 3, "E")

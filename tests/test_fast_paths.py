@@ -12,7 +12,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.prefix_logps import MIN_PREFIX, per_token_logps, shared_prefix_length
+from grpo_pipeline.prefix_logps import MIN_PREFIX, per_token_logps, shared_prefix_length, supported
 from grpo_pipeline.runtime import sampler
 from grpo_pipeline.runtime.rollout import SharedPrefix, generate
 
@@ -152,6 +152,31 @@ def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
     assert expected[3].keys() == ours[3].keys() and len(expected[3]) > 0
     for name, grad in expected[3].items():
         assert torch.allclose(ours[3][name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_shared_prefix_loss_runs_only_where_it_is_exact():
+    """Its boolean 4D mask means "may attend" to sdpa only (eager attention adds it: nothing masked), it assumes
+    rotary positions and no sliding window, and one prefix pass shares one dropout mask across the rows."""
+    tokenizer = build_tiny_tokenizer()
+    model = _lora_model(tokenizer)
+    assert model.config._attn_implementation == "sdpa" and supported(model)
+    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
+    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
+    with torch.no_grad():  # the same mask through eager attention is wrong: the gate is what keeps it out
+        sdpa = per_token_logps(model, ids, mask, length, prefix, False, 3, contextlib.nullcontext)[0]
+        model.base_model.model.config._attn_implementation = "eager"
+        eager = per_token_logps(model, ids, mask, length, prefix, False, 3, contextlib.nullcontext)[0]
+    keep = mask[:, -length:].bool()
+    assert not torch.allclose(sdpa[keep], eager[keep], atol=1e-3) and not supported(model)
+    model.base_model.model.config._attn_implementation = "sdpa"
+    model.base_model.model.config.sliding_window = 8
+    assert not supported(model)
+    model.base_model.model.config.sliding_window = None
+    assert supported(model)
+    torch.manual_seed(0)
+    dropout = get_peft_model(build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+    assert not supported(dropout)
 
 
 def test_shared_prefix_length_leaves_every_row_a_token_and_sees_no_padding():

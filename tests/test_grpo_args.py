@@ -34,3 +34,20 @@ def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path):
     assert kw["use_vllm"] is True and kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.5
     cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])  # LoRA: the runtime's own vLLM engine
     assert grpo_kwargs(cfg, str(tmp_path))["use_vllm"] is False
+    # an env with get_tool_functions: TRL's tool loop generates, so TRL's vLLM (on GPUs), never silently HF
+    assert grpo_kwargs(cfg, str(tmp_path), tool_functions=True)["use_vllm"] is True
+
+
+def test_tool_function_env_with_vllm_colocate_is_refused_on_a_cpu(compose_cfg, tmp_path):
+    import pytest
+
+    from grpo_pipeline.errors import ConfigError
+    from grpo_pipeline.runtime.rollout import make_rollout
+
+    class ToolEnv:
+        def score_episode(self, model, tokenizer, completion):
+            return 0.0
+
+    cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"vllm=colocate with .*ToolEnv.get_tool_functions: .* Use vllm=off"):
+        make_rollout(cfg, ToolEnv(), None, None, [lambda city: city])

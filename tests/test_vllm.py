@@ -7,6 +7,9 @@ importance-sampling metrics logged.
 """
 
 import json
+import os
+import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -89,8 +92,18 @@ def test_two_training_steps_sample_through_vllm(tmp_path):
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("model=")]
     cfg = compose_config([*overrides, "vllm=colocate", "vllm.max_model_len=512", "generation.max_new_tokens=8",
                           "eval.enabled=true", "eval.num_prompts=5", "eval.every_steps=0"])
-    result = train(cfg, launch_dir=str(tmp_path))
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kwargs):
+        made.append(real_mkdtemp(*args, **kwargs))
+        return made[-1]
+
+    with mock.patch("tempfile.mkdtemp", mkdtemp):
+        result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 2 and result.eval_before["num_prompts"] == 5
+    adapters = [d for d in made if "grpo_vllm_lora_" in d]
+    assert len(adapters) == 1 and not os.path.exists(adapters[0])  # the adapters handed to vLLM are cleaned up
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -14,8 +14,10 @@ TRL's to float tolerance and gradients flow into the prefix through every row (a
 A test checks both. On SmolLM2 + `env=arithmetic` (~95 of ~106 prompt tokens shared) the loss
 forward+backward gets ~3x cheaper; multi-turn envs with long system prompts gain more.
 
-Used only where it is exact and simple: one process, text-only inputs, a Llama-style decoder that takes
-`cache` and `position_ids`, and a prefix of at least `MIN_PREFIX` tokens; otherwise TRL's own path runs.
+Used only where it is exact and simple: one process, text-only inputs, a rotary-position decoder on sdpa
+attention without sliding windows or dropout (`supported`), and a prefix of at least `MIN_PREFIX` tokens;
+otherwise TRL's own path runs. (The hand-built boolean mask means "may attend" to sdpa only: eager attention
+would add it; a sliding window or absolute positions over left padding would differ from TRL's layout.)
 """
 
 import copy
@@ -25,6 +27,22 @@ import torch
 from grpo_pipeline.runtime.sampler import CACHE_KWARG
 
 MIN_PREFIX = 16
+
+
+def supported(model) -> bool:
+    """The model computes here exactly what it computes in TRL's layout (see the module docstring)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
+        return False  # absolute positions: TRL's path counts the left padding, this one does not
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    if any("sliding" in str(kind) for kind in (getattr(config, "layer_types", None) or [])):
+        return False
+    if getattr(config, "attention_dropout", 0.0) or getattr(config, "hidden_dropout", 0.0):
+        return False
+    return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())  # e.g. lora.dropout
 
 
 def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_width: int) -> int:

@@ -77,7 +77,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
 
-    grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights)
+    grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights, bool(tool_functions))
     tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main)
 
     # 2. The run.
@@ -157,6 +157,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         raise
     finally:
         stop.uninstall()
+        if rollout is not None:
+            rollout.close()
 
 
 def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | None = None,

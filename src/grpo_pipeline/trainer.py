@@ -18,7 +18,8 @@ from grpo_pipeline import prefix_logps
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
 from grpo_pipeline.runtime.rollout import Rollout
 
-FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat
+FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat (when no rewards are at hand)
+REWARD_TIE = 1e-6  # rewards of a group within this of each other: the group is flat
 
 
 class PipelineTrainer(GRPOTrainer):
@@ -40,7 +41,8 @@ class PipelineTrainer(GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **inputs):
         prefix = 0
         if (self.shared_prefix_loss and not compute_aux_loss and self.accelerator.num_processes == 1
-                and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())):
+                and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())
+                and self._prefix_supported(model)):
             prefix = prefix_logps.shared_prefix_length(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if prefix < prefix_logps.MIN_PREFIX:
             return super()._get_per_token_logps_and_entropies(
@@ -50,6 +52,12 @@ class PipelineTrainer(GRPOTrainer):
                                                         compute_entropy, batch_size or input_ids.size(0),
                                                         self.accelerator.autocast)
         return logps, entropies, None
+
+    def _prefix_supported(self, model) -> bool:
+        cached = getattr(self, "_prefix_supported_for", None)
+        if cached is None or cached[0] is not model:
+            self._prefix_supported_for = cached = (model, prefix_logps.supported(model))
+        return cached[1]
 
     def _generate_and_score_completions(self, inputs):
         self.current_rows = inputs
@@ -68,23 +76,41 @@ class PipelineTrainer(GRPOTrainer):
 
     def _keep_groups_with_spread(self, out: dict) -> dict:
         """Dynamic sampling: of the groups sampled, keep (in sampling order) up to train_completions' worth whose
-        rewards differ; if none does, one flat group (it trains nothing). A group is flat when every advantage in
-        it is ~0 (TRL's advantages are reward minus the group mean, over its std with scale_rewards=group; a float
-        mean is off by an ulp, hence the threshold). The loss normalizer is recounted for the rows kept."""
+        rewards differ; if none does, one flat group with its advantages set to 0 (it trains nothing). Flatness
+        is read from the rewards (TRL's weighted total, as in its frac_reward_zero_std), not the advantages,
+        which a float mean over a tiny std can push off 0. The loss normalizer is recounted for the rows kept."""
         size = self.num_generations
         advantages = out["advantages"]
         groups = advantages.size(0) // size
-        spread = (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
-        kept = [g for g in range(groups) if spread[g]][: self.train_completions // size] or [0]
-        rows = torch.tensor([g * size + i for g in kept for i in range(size)], device=advantages.device)
+        spread = self._groups_with_spread(advantages, groups, size)
+        kept = [g for g in range(groups) if spread[g]][: self.train_completions // size]
+        rows = torch.tensor([g * size + i for g in kept or [0] for i in range(size)], device=advantages.device)
         out = {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == advantages.size(0)
                else v for k, v in out.items()}
+        if not kept:
+            out["advantages"] = torch.zeros_like(out["advantages"])
         loss_mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
         out["num_items_in_batch"] = loss_mask.sum()
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/groups_sampled"].append(float(groups))
-        metrics["dynamic_sampling/groups_trained"].append(float(sum(spread[g] for g in kept)))
+        metrics["dynamic_sampling/groups_trained"].append(float(len(kept)))
         return out
+
+    def _groups_with_spread(self, advantages: torch.Tensor, groups: int, size: int) -> list[bool]:
+        rewards = getattr(self, "_logs", {}).get("rewards") or {}
+        columns = list(rewards.values())
+        summed = getattr(getattr(self, "args", None), "multi_objective_aggregation", "sum_then_normalize")
+        if (not columns or any(len(c) != advantages.size(0) for c in columns)
+                or summed != "sum_then_normalize"):  # no rewards of this batch at hand: read the advantages
+            return (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
+        per_func = torch.tensor(columns, dtype=torch.float64).T  # (completions, reward functions); NaN: not scored
+        totals = (per_func * self.reward_weights.detach().to("cpu", torch.float64)).nansum(dim=1)
+        totals[per_func.isnan().all(dim=1)] = torch.nan  # unscored by every function: TRL gives it advantage 0
+        spread = []
+        for group in totals.view(groups, size):
+            scored = group[~group.isnan()]
+            spread.append(scored.numel() > 1 and (scored.max() - scored.min()).item() > REWARD_TIE)
+        return spread
 
     def _record_episodes(self, rows: list[dict]) -> None:
         """This generation batch (all processes, gathered) into the ledger. With steps_per_generation > 1 one

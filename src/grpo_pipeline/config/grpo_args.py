@@ -19,7 +19,8 @@ CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in GRP
                  else "gradient_checkpointing")
 
 
-def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None) -> dict[str, Any]:
+def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None,
+                tool_functions: bool = False) -> dict[str, Any]:
     gen, loss, train, vllm = cfg.generation, cfg.loss, cfg.training, cfg.vllm
     use_cpu = train.use_cpu if train.use_cpu is not None else not torch.cuda.is_available()
     kwargs: dict[str, Any] = {
@@ -61,7 +62,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
         "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs
         # generation backend: TRL's vLLM, unless the runtime generates through vLLM itself (vllm_backend.py)
-        "use_vllm": vllm.mode != "off" and not vllm_in_runtime(cfg),
+        "use_vllm": vllm.mode != "off" and not vllm_in_runtime(cfg, tool_functions),
     }
     if kwargs["use_vllm"]:
         kwargs |= {
@@ -75,5 +76,6 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
     return kwargs
 
 
-def build_grpo_config(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None) -> GRPOConfig:
-    return GRPOConfig(**grpo_kwargs(cfg, output_dir, reward_weights))
+def build_grpo_config(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None,
+                      tool_functions: bool = False) -> GRPOConfig:
+    return GRPOConfig(**grpo_kwargs(cfg, output_dir, reward_weights, tool_functions))

@@ -171,15 +171,24 @@ def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
         said.append(f"generation.oversample (dynamic sampling) runs on one process without gradient accumulation; "
                     f"with {world} process(es) and training.gradient_accumulation_steps="
                     f"{train.gradient_accumulation_steps} it is off (generation.oversample=1).")
-    asked = train.batch_size * gen.oversample * world // gen.num_generations  # prompts per step
+    ga = train.gradient_accumulation_steps
+    batches = world * ga  # per-process batches one generation fills (TRL: steps_per_generation = GA)
+    asked = train.batch_size * gen.oversample * batches // gen.num_generations  # prompts per generation
     if 1 <= rows < asked:
         before = f"training.batch_size={train.batch_size}, generation.oversample={gen.oversample}"
-        gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * world)))
-        if rows * gen.num_generations < train.batch_size * gen.oversample * world:
-            train.batch_size = max(gen.num_generations, rows // world * gen.num_generations)
+        gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * batches)))
+        if rows * gen.num_generations < train.batch_size * gen.oversample * batches:
+            train.batch_size = max(gen.num_generations, rows // batches * gen.num_generations)
+        now = train.batch_size * gen.oversample * batches // gen.num_generations
+        where = (f" over {world} process(es) x training.gradient_accumulation_steps={ga}" if batches > 1 else "")
+        if now > rows:
+            raise ConfigError(f"{env_name} has {rows} training prompt(s), fewer than one generation needs: "
+                              f"{now} ({world} process(es) x training.gradient_accumulation_steps={ga} x one group "
+                              f"of generation.num_generations={gen.num_generations}). Lower "
+                              "training.gradient_accumulation_steps or the number of processes, or give the env "
+                              "more rows.")
         said.append(f"{env_name} has {rows} training prompt(s) but a step samples {asked} ({before}, "
-                    f"generation.num_generations={gen.num_generations}): using training.batch_size="
-                    f"{train.batch_size}, generation.oversample={gen.oversample} "
-                    f"({train.batch_size * gen.oversample // gen.num_generations} prompt(s) a step). "
+                    f"generation.num_generations={gen.num_generations}{where}): using training.batch_size="
+                    f"{train.batch_size}, generation.oversample={gen.oversample} ({now} prompt(s) a step{where}). "
                     "Set them yourself to choose.")
     return " ".join(said) or None

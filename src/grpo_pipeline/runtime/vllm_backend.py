@@ -23,10 +23,11 @@ from pathlib import Path
 from grpo_pipeline.errors import ConfigError
 
 
-def vllm_in_runtime(cfg) -> bool:
+def vllm_in_runtime(cfg, tool_functions: bool = False) -> bool:
     """vLLM generates inside the runtime (this module) rather than inside TRL: colocated with a LoRA policy.
-    TRL's own vLLM path stays for `vllm=server` and for full fine-tuning on GPUs (it pushes the weights)."""
-    return cfg.vllm.mode == "colocate" and bool(cfg.lora.enabled)
+    TRL's own vLLM path stays for `vllm=server`, for full fine-tuning on GPUs (it pushes the weights), and for
+    envs with `get_tool_functions` (TRL's tool loop generates those episodes)."""
+    return cfg.vllm.mode == "colocate" and bool(cfg.lora.enabled) and not tool_functions
 
 
 class VllmBackend:
