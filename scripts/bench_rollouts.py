@@ -4,8 +4,9 @@ Runs in the CPU vLLM venv (`make install-vllm`), on the default model (SmolLM2-1
 
   rollout, single-turn   one step's completions of env=arithmetic (B prompts' groups of 4, 32 new tokens)
   rollout, 3-turn        8 episodes of env=hotel (up to 3 assistant turns of 64 tokens, the env's replies)
-  whole step             a real training run per backend (training.max_steps=--steps, eval off): median of
-                         TRL's step_time over the steps after the first (the first warms vLLM up)
+  whole step             a real training run per backend (training.max_steps=--steps, eval off; arithmetic in
+                         the default shape, hotel with 8 episodes a step): median of TRL's step_time over the
+                         steps after the first (the first warms vLLM up)
 
 Same prompts, same sampling (temperature 1, no top-k/top-p). Each rollout figure is the median of --repeats
 after a warm-up; the two backends alternate.
@@ -48,7 +49,7 @@ def main() -> None:
 
 def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
     from grpo_pipeline.api import compose_config
-    from grpo_pipeline.models import load_model
+    from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
     from grpo_pipeline.runtime.episodes import EpisodeRunner
     from grpo_pipeline.runtime.rollout import make_rollout
@@ -65,8 +66,9 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
     from peft import LoraConfig, get_peft_model
 
     cfg = runs["off"][1]
+    targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules)  # the default: every linear layer
     policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets, lora_dropout=cfg.lora.dropout,
         task_type="CAUSAL_LM"))
     runs["off"][0].runner.bind(policy)
     runs["colocate"][0].runner.bind(policy)
@@ -96,8 +98,9 @@ def _step_time(env_name: str, mode: str, steps: int) -> float:
 
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{tmp}/mlflow.db"
+        shape = ["training.batch_size=8", "generation.oversample=1"] if env_name == "hotel" else []  # 8 episodes
         cfg = compose_config([f"env={env_name}", f"vllm={mode}", f"training.max_steps={steps}", "eval.enabled=false",
-                              f"output_dir={tmp}/run", f"tracking.tracking_uri={db}", "ledger.enabled=false"])
+                              f"output_dir={tmp}/run", f"tracking.tracking_uri={db}", "ledger.enabled=false", *shape])
         result = train(cfg, launch_dir=tmp)
         history = MlflowClient(db).get_metric_history(result.mlflow_run_id, "step_time")
         values = [m.value for m in sorted(history, key=lambda m: m.step)][1:]

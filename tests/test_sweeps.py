@@ -371,3 +371,25 @@ def test_seeded_sweep_preset_composes():
     cfg = _hydra_compose(["+sweep=kl_x_generations_seeded"])
     assert dict(cfg.hydra.sweeper.params) == {"loss.kl_coef": "0.0,0.05,0.1", "generation.num_generations": "4,8",
                                               "seed": "0,1,2"}
+
+
+@pytest.mark.slow
+def test_a_3_seed_x_2_point_tiny_sweep_prints_intervals_per_point(tmp_path):
+    """Issue 15's acceptance run, for real: six tiny trainings in one multirun, seeds grouped into points."""
+    tiny = [o for o in TINY if not o.startswith("eval.")]
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", *tiny, "loss.kl_coef=0,0.1", "seed=0,1,2",
+                           "generation.num_generations=2", "eval.num_prompts=5", "eval.every_steps=0",
+                           "hydra.sweep.dir=sweep"], cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert table.count("FINISHED") == 6
+    section = table.split("Per point over seeds")[1].splitlines()
+    rows = [[c.strip() for c in line.split("|")] for line in section if "|" in line and "seed" not in line.split("|")[0]]
+    rows = [r for r in rows if r[0].startswith("loss.kl_coef=")]
+    assert sorted(r[0] for r in rows) == ["loss.kl_coef=0", "loss.kl_coef=0.1"], table
+    for cells in rows:
+        assert cells[1] == "3"  # three seeds form the point
+        low, high = (float(x) for x in cells[3].split(".."))
+        assert low <= float(cells[2]) <= high
+    assert "best" in {r[4] for r in rows}
+    assert (tmp_path / "sweep" / "comparison_points.png").stat().st_size > 1000
