@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="training steps per backend (0: skip)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rollouts", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--step-envs", nargs="+", default=["arithmetic", "hotel"], choices=["arithmetic", "hotel"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -38,11 +40,11 @@ def main() -> None:
           f"threads; SmolLM2-135M + LoRA r=16")
     print(f"{'part':<34} | {'HF decode':>10} | {'vLLM':>10} | HF / vLLM")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
-                             ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")):
+                             ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
         hf, vllm = _rollouts(env, batch, args.repeats)
         print(f"{name:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
     if args.steps > 1:
-        for env in ("arithmetic", "hotel"):
+        for env in args.step_envs:
             hf, vllm = (_step_time(env, mode, args.steps) for mode in ("off", "colocate"))
             print(f"{'whole step, ' + env:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
 
