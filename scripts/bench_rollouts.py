@@ -93,10 +93,9 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
 
 
 def _step_time(env_name: str, mode: str, steps: int) -> float:
-    from mlflow.tracking import MlflowClient
-
     from grpo_pipeline.api import compose_config
     from grpo_pipeline.recipe import train
+    from grpo_pipeline.tracking import metric_history
 
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{tmp}/mlflow.db"
@@ -104,8 +103,7 @@ def _step_time(env_name: str, mode: str, steps: int) -> float:
         cfg = compose_config([f"env={env_name}", f"vllm={mode}", f"training.max_steps={steps}", "eval.enabled=false",
                               f"output_dir={tmp}/run", f"tracking.tracking_uri={db}", "ledger.enabled=false", *shape])
         result = train(cfg, launch_dir=tmp)
-        history = MlflowClient(db).get_metric_history(result.mlflow_run_id, "step_time")
-        values = [m.value for m in sorted(history, key=lambda m: m.step)][1:]
+        values = metric_history(db, result.mlflow_run_id, "step_time")[1:]
     return statistics.median(values)
 
 

@@ -200,6 +200,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
                    extra_columns):
     from transformers.trainer_callback import PrinterCallback
 
+    from grpo_pipeline import prefix_logps
     from grpo_pipeline.trainer import PipelineTrainer, rollout_func
 
     model = load_model(cfg.model, tokenizer)
@@ -221,7 +222,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         rollout_func=rollout_func(rollout, sampling(cfg.generation), extra_columns) if rollout else None,
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
-    trainer.shared_prefix_loss = cfg.training.shared_prefix_loss
+    trainer.shared_prefix_loss = cfg.training.shared_prefix_loss and prefix_logps.supported(trainer.model)
     if cfg.generation.oversample > 1:
         trainer.train_completions = cfg.training.batch_size
     if rollout is not None and rollout.uses_vllm:

@@ -26,7 +26,7 @@ class PipelineTrainer(GRPOTrainer):
     current_rows: list[dict] = []
     record_episodes = False  # the episode ledger is on (set on every process: rows are gathered from all)
     ledger = None  # the episode ledger (ledger.py), main process only
-    shared_prefix_loss = False  # training.shared_prefix_loss: the batch's shared prompt prefix run once (prefix_logps)
+    shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
 
     def correct_sampler_mismatch(self) -> None:
@@ -41,8 +41,7 @@ class PipelineTrainer(GRPOTrainer):
                                            compute_entropy=False, compute_aux_loss=False, **inputs):
         prefix = 0
         if (self.shared_prefix_loss and not compute_aux_loss and self.accelerator.num_processes == 1
-                and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())
-                and self._prefix_supported(model)):
+                and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())):
             prefix = prefix_logps.shared_prefix_length(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if prefix < prefix_logps.MIN_PREFIX:
             return super()._get_per_token_logps_and_entropies(
@@ -52,12 +51,6 @@ class PipelineTrainer(GRPOTrainer):
                                                         compute_entropy, batch_size or input_ids.size(0),
                                                         self.accelerator.autocast)
         return logps, entropies, None
-
-    def _prefix_supported(self, model) -> bool:
-        cached = getattr(self, "_prefix_supported_for", None)
-        if cached is None or cached[0] is not model:
-            self._prefix_supported_for = cached = (model, prefix_logps.supported(model))
-        return cached[1]
 
     def _generate_and_score_completions(self, inputs):
         self.current_rows = inputs
@@ -103,13 +96,11 @@ class PipelineTrainer(GRPOTrainer):
         if (not columns or any(len(c) != advantages.size(0) for c in columns)
                 or summed != "sum_then_normalize"):  # no rewards of this batch at hand: read the advantages
             return (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
-        per_func = torch.tensor(columns, dtype=torch.float64).T  # (completions, reward functions); NaN: not scored
-        totals = (per_func * self.reward_weights.detach().to("cpu", torch.float64)).nansum(dim=1)
-        totals[per_func.isnan().all(dim=1)] = torch.nan  # unscored by every function: TRL gives it advantage 0
+        totals = reward_totals(rewards, self.reward_weights.tolist())
         spread = []
-        for group in totals.view(groups, size):
-            scored = group[~group.isnan()]
-            spread.append(scored.numel() > 1 and (scored.max() - scored.min()).item() > REWARD_TIE)
+        for g in range(groups):
+            scored = [t for t in totals[g * size:(g + 1) * size] if t is not None]
+            spread.append(len(scored) > 1 and max(scored) - min(scored) > REWARD_TIE)
         return spread
 
     def _record_episodes(self, rows: list[dict]) -> None:
@@ -117,12 +108,7 @@ class PipelineTrainer(GRPOTrainer):
         generation serves several steps: its episodes carry the first of them."""
         logs = self._logs
         rewards = {name: list(values) for name, values in logs["rewards"].items()}
-        weights = self.reward_weights.tolist()
-        totals = None
-        if rewards:  # a reward function that returned None (NaN) did not score that episode; none scoring: None
-            totals = [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True)
-                                                                   if r == r)
-                      for parts in zip(*rewards.values(), strict=True)]
+        totals = reward_totals(rewards, self.reward_weights.tolist()) if rewards else None
         extra = logs["extra"]
         completions = list(extra["transcript"]) if "transcript" in extra else list(logs["completion"])
         self.ledger.record("train", self.state.global_step + 1, list(logs["prompt"]), completions, rewards,
@@ -130,6 +116,13 @@ class PipelineTrainer(GRPOTrainer):
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
                            transcripts="transcript" in extra)
+
+
+def reward_totals(rewards: dict[str, list[float]], weights: list[float]) -> list[float | None]:
+    """Per completion, the weighted sum of its reward functions' scores as TRL sums them (a function that returned
+    None, NaN here, did not score it); None where no function scored it (TRL gives it advantage 0)."""
+    return [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)
+            for parts in zip(*rewards.values(), strict=True)]
 
 
 class _RuntimeSyncsWeights:
