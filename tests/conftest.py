@@ -24,6 +24,7 @@ def tiny_overrides(tmp_path: Path, env: list[str] | None = None) -> list[str]:
         "training.batch_size=4",
         "generation.num_generations=2",
         "generation.oversample=1",  # the default run's dynamic sampling has its own tests
+        "generation.resample_flat=0",  # nor its adaptive sampling
         "generation.max_new_tokens=8",
         "eval.enabled=false",
         f"output_dir={tmp_path / 'run'}",

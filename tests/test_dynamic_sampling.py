@@ -107,7 +107,7 @@ def test_oversample_is_checked_and_off_where_groups_cannot_be_picked_locally(com
     with pytest.raises(ConfigError, match="generation.oversample=0"):
         check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=0"]))
     cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2", "training.gradient_accumulation_steps=2"])
-    assert "it is off" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
+    assert "they are off" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2"])
     assert "with 2 process(es)" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
@@ -157,3 +157,98 @@ def test_fit_step_to_data_counts_gradient_accumulation_and_refuses_what_cannot_f
     with pytest.raises(ConfigError, match=r"E has 3 training prompt\(s\), fewer than one generation needs: 4 .*"
                                           r"Lower training.gradient_accumulation_steps"):
         fit_step_to_data(cfg, 3, "E")
+
+
+# --- adaptive sampling for flat groups (generation.resample_flat) ---------------------------------------------
+
+def test_balanced_keeps_half_above_average_earliest_first_and_tops_up_from_the_other_side():
+    from grpo_pipeline.trainer import balanced
+
+    assert balanced([-0.3, -0.3, -0.3, -0.3, 2.5, -0.3, -0.3, 1.0], 4) == [0, 1, 4, 7]
+    assert balanced([-1.0, 3.0, -1.0, -1.0, -1.0, -1.0], 4) == [0, 1, 2, 3]  # one above: three below
+    assert balanced([1.0, 1.0, 1.0, -3.0, 1.0, 1.0], 4) == [0, 1, 2, 3]  # one below: three above
+    assert balanced([-0.5, 1.5], 2) == [0, 1]
+
+
+def test_concat_outputs_pads_prompts_left_and_completions_right():
+    from grpo_pipeline.trainer import concat_outputs
+
+    a = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
+         "completion_ids": torch.tensor([[7]]), "completion_mask": torch.tensor([[1]]),
+         "advantages": torch.tensor([0.5]), "num_items_in_batch": torch.tensor(1)}
+    b = {"prompt_ids": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.tensor([[1, 1, 1]]),
+         "completion_ids": torch.tensor([[8, 9]]), "completion_mask": torch.tensor([[1, 1]]),
+         "advantages": torch.tensor([-0.5]), "num_items_in_batch": torch.tensor(2)}
+    out = concat_outputs(a, b, pad_id=0)
+    assert out["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]] and out["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert out["completion_ids"].tolist() == [[7, 0], [8, 9]] and out["completion_mask"].tolist() == [[1, 0], [1, 1]]
+    assert out["advantages"].tolist() == [0.5, -0.5] and out["num_items_in_batch"].item() == 1
+
+
+class HardOddRowsEnv:
+    """Even rows: every completion right (flat at the step's best). Odd rows: the first num_generations
+    completions wrong (a flat group below the best), later ones alternately right and wrong."""
+
+    def __init__(self):
+        import threading
+
+        self.calls, self.lock = {}, threading.Lock()
+
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"say something {i}", "i": i} for i in range(40)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        if i % 2 == 0:
+            return 1.0
+        with self.lock:
+            n = self.calls[i] = self.calls.get(i, 0) + 1
+        return 0.0 if n <= 2 or n % 2 == 0 else 1.0
+
+
+def test_flat_groups_below_the_best_are_resampled_and_trained_on_a_balanced_pair(compose_cfg, tmp_path, monkeypatch):
+    seen = []
+    original = PipelineTrainer._compute_loss
+
+    def capture(self, model, inputs):
+        right = [self.processing_class.decode(ids[m.bool()], skip_special_tokens=True)
+                 for ids, m, a in zip(inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+                                      strict=True) if a > 1]
+        seen.append((inputs["advantages"].clone(), right, inputs["completion_mask"].sum(),
+                     inputs["num_items_in_batch"].item()))
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(PipelineTrainer, "_compute_loss", capture)
+    env = HardOddRowsEnv()
+    # a step: 4 groups of 2 sampled (oversample 2), all flat; the odd ones are below the best (1.0) and each gets
+    # 2 more completions: [0, 0] + [1, 0] -> mean 0.25, std 0.5 -> advantages -0.5 (wrong), +1.5 (right)
+    cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), "generation.oversample=2",
+                       "generation.resample_flat=2", "generation.max_new_tokens=4", "training.max_steps=3",
+                       "loss.mask_truncated_completions=false",
+                       "eval.enabled=false"])
+    result = train(cfg, launch_dir=str(tmp_path), env=env)
+    assert result.steps == 3 and len(seen) == 3
+    import json
+
+    from grpo_pipeline.tracking import metric_history
+
+    rows = [json.loads(x) for x in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rescued = metric_history(uri, result.mlflow_run_id, "dynamic_sampling/groups_rescued")
+    assert metric_history(uri, result.mlflow_run_id, "dynamic_sampling/groups_resampled") == rescued
+    assert metric_history(uri, result.mlflow_run_id, "frac_reward_zero_std") == [1.0] * 3  # the first round's alone
+    for step, (advantages, right, mask_sum, normalizer) in enumerate(seen, start=1):
+        episodes = [r for r in rows if r["split"] == "train" and r["step"] == step]
+        odd = len({r["prompt_id"] for r in episodes if r["row"]["i"] % 2})
+        assert rescued[step - 1] == min(odd, 2)  # up to the 2 groups batch_size=4 lacks
+        assert len(episodes) == 8 + 2 * min(odd, 2)  # the ledger holds every episode sampled, both rounds
+        if odd:
+            assert sorted(advantages.tolist()) == pytest.approx(sorted([-0.5, 1.5] * min(odd, 2)), abs=1e-3)
+        else:  # nothing to rescue: one flat group, trained with advantages 0
+            assert advantages.abs().sum() == 0
+        assert normalizer == mask_sum.item()
+        # the right completions trained are the very ones sampled (and recorded) in the extra round, and the
+        # ledger shows the advantage the union gave them
+        resampled = [r for r in episodes if r["row"]["i"] % 2 and r["reward"] == 1.0]
+        assert all(r["advantage"] == pytest.approx(1.5, abs=1e-3) for r in resampled)
+        assert sorted(right) == sorted(r["completion"] for r in resampled)
+    assert sum(rescued) >= 1 and all(n == 4 for n in env.calls.values())  # each hard row scored 2 + 2 times

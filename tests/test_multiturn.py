@@ -222,3 +222,19 @@ def test_a_multirun_sweep_over_the_hotel_env(tmp_path):
     jobs = [r for r in runs if r.data.params.get("env._target_") == "grpo_pipeline.envs.hotel.HotelEnv"]
     assert len(jobs) == 2 and {r.data.params["loss.kl_coef"] for r in jobs} == {"0.0", "0.1"}
     assert all(r.info.status == "FINISHED" and r.data.metrics["env/turns_mean"] >= 1 for r in jobs)
+
+
+def test_an_episode_longer_than_vllm_max_model_len_is_refused_before_the_run(tiny, compose_cfg, tmp_path):
+    from grpo_pipeline.errors import ConfigError
+
+    rollout, data = _rollout(tiny, max_episode_tokens=100)
+    lengths = [len(rollout._start(p, {}).prompt_ids) for p in data["prompt"]]
+    i, prompt_tokens, tokens = rollout.longest_episode(data["prompt"])
+    assert prompt_tokens == max(lengths) == lengths[i] and tokens == prompt_tokens + 100
+    cfg = compose_cfg(["vllm=colocate", f"vllm.max_model_len={tokens}", f"output_dir={tmp_path}"])
+    recipe._check_fits_vllm(cfg, rollout, data, "ToolEnv")  # fits exactly
+    cfg.vllm.max_model_len = tokens - 1
+    with pytest.raises(ConfigError, match=rf"vllm.max_model_len={tokens - 1} is too short for ToolEnv: dataset row "
+                                          rf"{i} has a {prompt_tokens}-token prompt, and with "
+                                          rf"runtime.max_episode_tokens=100 its episode can reach {tokens} tokens"):
+        recipe._check_fits_vllm(cfg, rollout, data, "ToolEnv")

@@ -29,6 +29,7 @@ from grpo_pipeline.envs.loader import (
     importable_from,
     load_env,
 )
+from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation import Split, evaluate, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
@@ -69,6 +70,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
                            group_size=gen.num_generations)
     rollout = make_rollout(cfg, env, tokenizer, runner, tool_functions)  # None: TRL generates
+    if rollout is not None and rollout.uses_vllm:
+        _check_fits_vllm(cfg, rollout, dataset, env_name)
     if rollout is None and not tool_functions:  # TRL renders chat prompts without tools: give it text
         split = Split(*(attach_tools(d, tokenizer, get_tool_schemas(env), env_name) if d is not None else None
                         for d in (split.train, split.test, split.val)))
@@ -174,6 +177,18 @@ def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | Non
     return env, tokenizer, dataset, tool_functions
 
 
+def _check_fits_vllm(cfg, rollout, dataset, env_name: str) -> None:
+    """vLLM refuses a sequence longer than vllm.max_model_len mid-run: check the longest episode before the run."""
+    i, prompt_tokens, tokens = rollout.longest_episode(dataset["prompt"])
+    if tokens <= cfg.vllm.max_model_len:
+        return
+    budget = ("runtime.max_episode_tokens" if rollout.multi_turn else "generation.max_new_tokens")
+    raise ConfigError(f"vllm.max_model_len={cfg.vllm.max_model_len} is too short for {env_name}: dataset row {i} has "
+                      f"a {prompt_tokens}-token prompt, and with {budget}={rollout.max_episode_tokens} its episode "
+                      f"can reach {tokens} tokens, which vLLM would refuse in the middle of the run. Set "
+                      f"vllm.max_model_len={tokens} or more, or lower {budget}.")
+
+
 def sampling(gen) -> dict:
     """How training samples: the runtime's turns, and the model calls of an env's own score_episode."""
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
@@ -223,8 +238,9 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     trainer.shared_prefix_loss = cfg.training.shared_prefix_loss and prefix_logps.supported(trainer.model)
-    if cfg.generation.oversample > 1:
+    if cfg.generation.oversample > 1 or cfg.generation.resample_flat:
         trainer.train_completions = cfg.training.batch_size
+        trainer.resample_flat = cfg.generation.resample_flat
     if rollout is not None and rollout.uses_vllm:
         trainer.correct_sampler_mismatch()
     return trainer

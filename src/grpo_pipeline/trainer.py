@@ -28,6 +28,7 @@ class PipelineTrainer(GRPOTrainer):
     ledger = None  # the episode ledger (ledger.py), main process only
     shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
+    resample_flat = 0  # generation.resample_flat: more samples for a flat group below the batch's best
 
     def correct_sampler_mismatch(self) -> None:
         """Rollouts come from the runtime's vLLM engine (runtime/vllm_backend.py): switch on TRL's importance-sampling
@@ -53,21 +54,120 @@ class PipelineTrainer(GRPOTrainer):
         return logps, entropies, None
 
     def _generate_and_score_completions(self, inputs):
+        training = self.model.training
+        out, logs = self._sample_round(inputs)
+        rounds = [(inputs, logs)]
+        spread = None
+        if self.train_completions is not None and training:
+            if self.resample_flat:
+                out, spread, extra = self._resample_flat_groups(inputs, out, logs)
+                if extra is not None:
+                    rounds.append(extra)
+            out = self._keep_groups_with_spread(out, spread)
+        if self.record_episodes and training:
+            from accelerate.utils import gather_object
+
+            for batch, batch_logs in rounds:
+                rows = gather_object([{k: v for k, v in x.items() if k != "prompt"} for x in batch])  # as TRL does
+                if self.ledger is not None:
+                    self._record_episodes(rows, batch_logs)
+        return out
+
+    def _sample_round(self, inputs) -> tuple[dict, dict]:
+        """TRL generates and scores `inputs`; returns its output and a copy of what it logged for this batch alone."""
         self.current_rows = inputs
         for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
             value.clear()
         out = super()._generate_and_score_completions(inputs)
-        if self.record_episodes and self.model.training:
-            from accelerate.utils import gather_object
+        logs = {k: ({n: list(v) for n, v in self._logs[k].items()} if isinstance(self._logs[k], dict)
+                    else list(self._logs[k])) for k in ("prompt", "completion", "rewards", "advantages", "extra")}
+        return out, logs
 
-            rows = gather_object([{k: v for k, v in x.items() if k != "prompt"} for x in inputs])  # as TRL gathers
-            if self.ledger is not None:
-                self._record_episodes(rows)
-        if self.train_completions is not None and self.model.training:
-            out = self._keep_groups_with_spread(out)
-        return out
+    def _resample_flat_groups(self, inputs, out: dict, logs: dict):
+        """Adaptive sampling for flat groups (Reinforce-Ada, Xiong et al. 2025, arXiv:2510.04996): when the first
+        round leaves the step short of groups with reward spread, the flat groups that scored below the batch's
+        best get `resample_flat` more completions of the same prompt. A group whose completions now differ is
+        trained on: its advantages come from all its samples (first round and resampled), and `num_generations`
+        of them are kept, as balanced between above- and below-average as they allow. Returns the output (same
+        rows, resampled groups swapped in), the groups with spread, and the extra round (inputs, logs) or None."""
+        size = self.num_generations
+        groups = out["advantages"].size(0) // size
+        totals = self._round_totals(logs, groups * size)
+        spread = self._groups_with_spread(out["advantages"], groups, size)
+        need = self.train_completions // size - sum(spread)
+        scored = [t for t in totals or [] if t is not None]
+        if totals is None or need <= 0 or not scored:
+            return out, spread, None
+        best = max(scored)
+        chosen = [g for g in range(groups) if not spread[g]
+                  and any(t is not None and t < best - REWARD_TIE for t in totals[g * size:(g + 1) * size])]
+        extra = self.resample_flat
+        chosen = chosen[:min(need, self.args.generation_batch_size // extra)]  # TRL's logs hold one batch's worth
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/groups_resampled"].append(float(len(chosen)))
+        if not chosen:
+            metrics["dynamic_sampling/groups_rescued"].append(0.0)
+            return out, spread, None
+        more = [dict(inputs[g * size]) for g in chosen for _ in range(extra)]  # TRL writes rollout fields into rows
+        logged = {k: len(v) for k, v in metrics.items()}  # the extra round's own TRL metrics would skew the step's
+        out2, logs2 = self._sample_round(more)
+        for key in list(metrics):
+            if key not in logged:
+                del metrics[key]
+            else:
+                del metrics[key][logged[key]:]
+        totals2 = self._round_totals(logs2, len(more))
+        if totals2 is None:  # not scored as the first round was (cannot happen with one reward setup)
+            metrics["dynamic_sampling/groups_rescued"].append(0.0)
+            return out, spread, (more, logs2)
+        both = concat_outputs(out, out2, self._tokenizer.pad_token_id or 0)
+        rows = list(range(groups * size))
+        advantages = both["advantages"].clone()
+        everything = [t for t in totals + totals2 if t is not None]
+        batch_std = torch.tensor(everything, dtype=torch.float64).std().item() if len(everything) > 1 else 0.0
+        rescued = 0
+        for c, g in enumerate(chosen):
+            index = [g * size + i for i in range(size)] + [groups * size + c * extra + j for j in range(extra)]
+            union = [totals[i] if i < groups * size else totals2[i - groups * size] for i in index]
+            values = [t for t in union if t is not None]
+            if len(values) < 2 or max(values) - min(values) <= REWARD_TIE:
+                continue
+            union_adv = self._union_advantages(union, batch_std)
+            keep = balanced(union_adv, size)
+            for slot, k in enumerate(keep):
+                rows[g * size + slot] = index[k]
+            advantages[index] = torch.tensor(union_adv, dtype=advantages.dtype, device=advantages.device)
+            spread[g] = True
+            rescued += 1
+        metrics["dynamic_sampling/groups_rescued"].append(float(rescued))
+        logs["advantages"] = advantages[:groups * size].tolist()  # the ledger shows the advantages the union gave
+        logs2["advantages"] = advantages[groups * size:].tolist()
+        both["advantages"] = advantages
+        select = torch.tensor(rows, device=advantages.device)
+        n = advantages.size(0)
+        out = {k: v.index_select(0, select) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n else v
+               for k, v in both.items()}
+        return out, spread, (more, logs2)
 
-    def _keep_groups_with_spread(self, out: dict) -> dict:
+    def _round_totals(self, logs: dict, n: int) -> list[float | None] | None:
+        rewards = logs.get("rewards") or {}
+        if (not rewards or any(len(c) != n for c in rewards.values())
+                or self.args.multi_objective_aggregation != "sum_then_normalize"):
+            return None
+        return reward_totals(rewards, self.reward_weights.tolist())
+
+    def _union_advantages(self, totals: list[float | None], batch_std: float) -> list[float]:
+        """TRL's advantages (sum_then_normalize) for one group of any size: reward minus the group mean, divided by
+        the group's std + 1e-4 (scale_rewards=group; batch: the std of every reward of the step; none: not
+        divided); unscored completions get 0."""
+        values = torch.tensor([float("nan") if t is None else t for t in totals], dtype=torch.float64)
+        scored = values[~values.isnan()]
+        advantages = values - scored.mean()
+        if self.scale_rewards != "none":
+            advantages = advantages / ((scored.std().item() if self.scale_rewards == "group" else batch_std) + 1e-4)
+        return torch.nan_to_num(advantages, nan=0.0).float().tolist()
+
+    def _keep_groups_with_spread(self, out: dict, spread: list[bool] | None = None) -> dict:
         """Dynamic sampling: of the groups sampled, keep (in sampling order) up to train_completions' worth whose
         rewards differ; if none does, one flat group with its advantages set to 0 (it trains nothing). Flatness
         is read from the rewards (TRL's weighted total, as in its frac_reward_zero_std), not the advantages,
@@ -75,7 +175,8 @@ class PipelineTrainer(GRPOTrainer):
         size = self.num_generations
         advantages = out["advantages"]
         groups = advantages.size(0) // size
-        spread = self._groups_with_spread(advantages, groups, size)
+        if spread is None:
+            spread = self._groups_with_spread(advantages, groups, size)
         kept = [g for g in range(groups) if spread[g]][: self.train_completions // size]
         rows = torch.tensor([g * size + i for g in kept or [0] for i in range(size)], device=advantages.device)
         out = {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == advantages.size(0)
@@ -103,10 +204,9 @@ class PipelineTrainer(GRPOTrainer):
             spread.append(len(scored) > 1 and max(scored) - min(scored) > REWARD_TIE)
         return spread
 
-    def _record_episodes(self, rows: list[dict]) -> None:
-        """This generation batch (all processes, gathered) into the ledger. With steps_per_generation > 1 one
-        generation serves several steps: its episodes carry the first of them."""
-        logs = self._logs
+    def _record_episodes(self, rows: list[dict], logs: dict) -> None:
+        """A generation batch (all processes, gathered; logs: what TRL logged for it) into the ledger. With
+        steps_per_generation > 1 one generation serves several steps: its episodes carry the first of them."""
         rewards = {name: list(values) for name, values in logs["rewards"].items()}
         totals = reward_totals(rewards, self.reward_weights.tolist()) if rewards else None
         extra = logs["extra"]
@@ -123,6 +223,37 @@ def reward_totals(rewards: dict[str, list[float]], weights: list[float]) -> list
     None, NaN here, did not score it); None where no function scored it (TRL gives it advantage 0)."""
     return [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)
             for parts in zip(*rewards.values(), strict=True)]
+
+
+def balanced(advantages: list[float], size: int) -> list[int]:
+    """`size` indices of a group with spread: up to half above average (advantage > 0), the rest below, topped up
+    from whichever side has more; earlier samples first on each side."""
+    above = [i for i, a in enumerate(advantages) if a > 0]
+    below = [i for i, a in enumerate(advantages) if a <= 0]
+    take = min(len(above), max(1, size // 2))
+    keep = above[:take] + below[:size - take]
+    keep += above[take:take + size - len(keep)]
+    return sorted(keep)
+
+
+def concat_outputs(a: dict, b: dict, pad_id: int) -> dict:
+    """Two outputs of TRL's _generate_and_score_completions as one batch: per-row tensors padded to a common width
+    (prompts on the left, as TRL pads them; completion-aligned tensors on the right) and stacked; other values
+    are a's."""
+    n, m = a["advantages"].size(0), b["advantages"].size(0)
+    out = dict(a)
+    for key, x in a.items():
+        y = b.get(key)
+        if not (torch.is_tensor(x) and torch.is_tensor(y) and x.dim() > 0 and x.size(0) == n and y.size(0) == m):
+            continue
+        if x.dim() > 1 and x.size(1) != y.size(1):
+            width = max(x.size(1), y.size(1))
+            value = pad_id if key.endswith("_ids") else 0
+            left = key.startswith("prompt")
+            x, y = (torch.nn.functional.pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)),
+                                            value=value) for t in (x, y))
+        out[key] = torch.cat([x, y])
+    return out
 
 
 class _RuntimeSyncsWeights:

@@ -46,6 +46,11 @@ class GenerationConfig:
     # training.batch_size completions from the groups whose rewards differ (a group that scores the same
     # everywhere gives GRPO nothing; it is not trained on). 1: off. One process, no gradient accumulation.
     oversample: int = 1
+    # Adaptive sampling for flat groups (Reinforce-Ada): when a step has fewer groups with spread than
+    # training.batch_size needs, a flat group that scored below the step's best gets this many more
+    # completions of its prompt (a multiple of num_generations); if they differ, the group trains on a balanced
+    # num_generations of them, advantages from all. 0: off. One process, no gradient accumulation.
+    resample_flat: int = 0
 
 
 @dataclass

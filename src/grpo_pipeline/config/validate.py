@@ -40,6 +40,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"generation.top_k={gen.top_k}: must be >= 0 (0 disables it).")
     if gen.oversample < 1:
         p.append(f"generation.oversample={gen.oversample}: must be >= 1 (1 turns dynamic sampling off).")
+    if gen.resample_flat < 0 or (gen.num_generations > 0 and gen.resample_flat % gen.num_generations):
+        p.append(f"generation.resample_flat={gen.resample_flat}: must be 0 (off) or a multiple of "
+                 f"generation.num_generations={gen.num_generations} (the extra completions are scored in groups).")
 
     if loss.loss_type not in LOSS_TYPES:
         p.append(f"loss.loss_type={loss.loss_type!r}: use one of {LOSS_TYPES}.")
@@ -166,11 +169,11 @@ def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
     gen, train = cfg.generation, cfg.training
     world = int(os.environ.get("WORLD_SIZE", "1"))
     said = []
-    if gen.oversample > 1 and (world > 1 or train.gradient_accumulation_steps > 1):
-        gen.oversample = 1
-        said.append(f"generation.oversample (dynamic sampling) runs on one process without gradient accumulation; "
-                    f"with {world} process(es) and training.gradient_accumulation_steps="
-                    f"{train.gradient_accumulation_steps} it is off (generation.oversample=1).")
+    if (gen.oversample > 1 or gen.resample_flat) and (world > 1 or train.gradient_accumulation_steps > 1):
+        gen.oversample, gen.resample_flat = 1, 0
+        said.append(f"generation.oversample and resample_flat (dynamic sampling) run on one process without "
+                    f"gradient accumulation; with {world} process(es) and training.gradient_accumulation_steps="
+                    f"{train.gradient_accumulation_steps} they are off (generation.oversample=1, resample_flat=0).")
     ga = train.gradient_accumulation_steps
     batches = world * ga  # per-process batches one generation fills (TRL: steps_per_generation = GA)
     asked = train.batch_size * gen.oversample * batches // gen.num_generations  # prompts per generation

@@ -114,6 +114,13 @@ class Rollout:
         if self.vllm is not None:
             self.vllm.close()
 
+    def longest_episode(self, prompts: list) -> tuple[int, int, int]:
+        """(index, prompt tokens, tokens) of the prompt whose episode can grow longest: its prompt ids (as the
+        runtime renders them) plus the episode's token budget."""
+        lengths = [len(self._start(p, {}).prompt_ids) for p in prompts]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        return i, lengths[i], lengths[i] + self.max_episode_tokens
+
     # --- the episode loop ------------------------------------------------------------------------
     def run(self, model, prompts: list, rows: list[dict], sampling: dict, turn_tokens: int | None = None
             ) -> list[Trajectory]:
