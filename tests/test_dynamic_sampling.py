@@ -252,3 +252,25 @@ def test_flat_groups_below_the_best_are_resampled_and_trained_on_a_balanced_pair
         assert all(r["advantage"] == pytest.approx(1.5, abs=1e-3) for r in resampled)
         assert sorted(right) == sorted(r["completion"] for r in resampled)
     assert sum(rescued) >= 1 and all(n == 4 for n in env.calls.values())  # each hard row scored 2 + 2 times
+
+
+class FlatEnv:
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"say something {i}", "i": i} for i in range(16)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        return 0.5  # every group flat: advantages 0, the policy term moves nothing
+
+
+@pytest.mark.parametrize("coef", [0.0, 1.0])
+def test_the_entropy_bonus_reaches_the_weights_through_the_runtime_fast_paths(compose_cfg, tmp_path, coef):
+    from safetensors.torch import load_file
+
+    cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), f"loss.entropy_coef={coef}",
+                       "training.max_steps=2", "tracking.enabled=false"])
+    result = train(cfg, launch_dir=str(tmp_path), env=FlatEnv)
+    lora_b = [v for k, v in load_file(str(tmp_path / "run" / "model" / "adapter_model.safetensors")).items()
+              if "lora_B" in k]
+    moved = max(v.abs().max().item() for v in lora_b)
+    assert result.steps == 2 and lora_b
+    assert (moved > 0) == (coef > 0)  # LoRA's B starts at 0: only the bonus' gradient can move it here

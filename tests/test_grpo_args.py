@@ -51,3 +51,14 @@ def test_tool_function_env_with_vllm_colocate_is_refused_on_a_cpu(compose_cfg, t
     cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"vllm=colocate with .*ToolEnv.get_tool_functions: .* Use vllm=off"):
         make_rollout(cfg, ToolEnv(), None, None, [lambda city: city])
+
+
+def test_entropy_bonus_and_adaptive_control_map_onto_trl(compose_cfg, tmp_path):
+    cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
+    kw = grpo_kwargs(cfg, str(tmp_path), reward_weights=[1.0])
+    assert kw["entropy_coef"] == 0.0 and kw["use_adaptive_entropy"] is False  # the default: no bonus
+    cfg = compose_cfg(["model=tiny", "loss.entropy_coef=0.01", "loss.entropy_target=0.1",
+                       "loss.entropy_coef_delta=0.002", f"output_dir={tmp_path}"])
+    args = build_grpo_config(cfg, str(tmp_path), [1.0])
+    assert (args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta) == (
+        0.01, True, 0.1, 0.002)

@@ -40,6 +40,10 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "scale_rewards": loss.scale_rewards,
         "mask_truncated_completions": loss.mask_truncated_completions,
         "num_iterations": loss.num_iterations,
+        "entropy_coef": loss.entropy_coef,
+        "use_adaptive_entropy": loss.entropy_target is not None,
+        "entropy_coef_delta": loss.entropy_coef_delta,
+        **({"entropy_target": loss.entropy_target} if loss.entropy_target is not None else {}),
         "reward_weights": reward_weights,
         # optimisation
         "learning_rate": train.learning_rate,

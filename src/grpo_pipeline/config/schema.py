@@ -68,6 +68,12 @@ class LossConfig:
     mask_truncated_completions: bool = False
     # Policy updates per generation batch (mu in the paper).
     num_iterations: int = 1
+    # Entropy bonus (TRL's entropy_coef): loss - entropy_coef x mean token entropy. With entropy_target set,
+    # TRL's adaptive control (Skywork-OR1): the coefficient starts at entropy_coef, rises by entropy_coef_delta
+    # each step the entropy is at or below the target, falls otherwise, and applies only at or below it.
+    entropy_coef: float = 0.0
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
 
 
 @dataclass

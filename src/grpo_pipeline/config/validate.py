@@ -59,6 +59,11 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         )
     if loss.num_iterations < 1:
         p.append(f"loss.num_iterations={loss.num_iterations}: must be >= 1.")
+    if loss.entropy_coef < 0 or loss.entropy_coef_delta < 0:
+        p.append(f"loss.entropy_coef={loss.entropy_coef}, loss.entropy_coef_delta={loss.entropy_coef_delta}: must be "
+                 ">= 0 (a bonus for entropy; 0 turns it off).")
+    if loss.entropy_target is not None and loss.entropy_target <= 0:
+        p.append(f"loss.entropy_target={loss.entropy_target}: must be > 0 (mean token entropy in nats), or null.")
 
     if train.learning_rate <= 0:
         p.append(f"training.learning_rate={train.learning_rate}: must be > 0.")
