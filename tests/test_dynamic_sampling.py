@@ -267,10 +267,10 @@ def test_the_entropy_bonus_reaches_the_weights_through_the_runtime_fast_paths(co
     from safetensors.torch import load_file
 
     cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), f"loss.entropy_coef={coef}",
-                       "training.max_steps=1", "tracking.enabled=false"])
+                       "training.max_steps=2", "tracking.enabled=false"])  # step 1's warm-up lr is 0
     result = train(cfg, launch_dir=str(tmp_path), env=FlatEnv)
     lora_b = [v for k, v in load_file(str(tmp_path / "run" / "model" / "adapter_model.safetensors")).items()
               if "lora_B" in k]
     moved = max(v.abs().max().item() for v in lora_b)
-    assert result.steps == 1 and lora_b
+    assert result.steps == 2 and lora_b
     assert (moved > 0) == (coef > 0)  # LoRA's B starts at 0: only the bonus' gradient can move it here
