@@ -52,6 +52,7 @@ def test_missing_gguf_package_is_a_clear_error():
         load_tokenizer(cfg)
 
 
+@pytest.mark.slow  # ~45 s of network retries; make test-slow runs it
 def test_unreachable_hub_model_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = ModelConfig(name="x", source="hub", name_or_path="nobody/does-not-exist-model")

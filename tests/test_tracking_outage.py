@@ -127,6 +127,7 @@ def test_a_server_restart_mid_run_loses_nothing_and_warns_once(tmp_path, server)
     assert _reward_steps(server) == list(range(1, 13))  # every step, exactly once
 
 
+@pytest.mark.slow  # ~2 min (waits out the grace period); make test-slow runs it
 def test_a_server_down_past_the_grace_period_stops_with_a_checkpoint_then_resumes(tmp_path, server):
     project = _project(tmp_path)
     server.start()
