@@ -89,14 +89,17 @@ class PipelineTrainer(GRPOTrainer):
         best get `resample_flat` more completions of the same prompt. A group whose completions now differ is
         trained on: its advantages come from all its samples (first round and resampled), and `num_generations`
         of them are kept, as balanced between above- and below-average as they allow. Returns the output (same
-        rows, resampled groups swapped in), the groups with spread, and the extra round (inputs, logs) or None."""
+        rows, resampled groups swapped in), the groups with spread (None where no rewards could be read: dynamic
+        sampling then reads the advantages), and the extra round (inputs, logs) or None."""
         size = self.num_generations
         groups = out["advantages"].size(0) // size
-        totals = self._round_totals(logs, groups * size)
-        spread = self._groups_with_spread(out["advantages"], groups, size)
+        totals = _batch_totals(self, logs, groups * size)
+        if totals is None:  # no rewards to read flatness from: dynamic sampling reads the advantages
+            return out, None, None
+        spread = [has_spread(totals[g * size:(g + 1) * size]) for g in range(groups)]
         need = self.train_completions // size - sum(spread)
-        scored = [t for t in totals or [] if t is not None]
-        if totals is None or need <= 0 or not scored:
+        scored = [t for t in totals if t is not None]
+        if need <= 0 or not scored:
             return out, spread, None
         best = max(scored)
         chosen = [g for g in range(groups) if not spread[g]
@@ -116,7 +119,7 @@ class PipelineTrainer(GRPOTrainer):
                 del metrics[key]
             else:
                 del metrics[key][logged[key]:]
-        totals2 = self._round_totals(logs2, len(more))
+        totals2 = _batch_totals(self, logs2, len(more))
         if totals2 is None:  # not scored as the first round was (cannot happen with one reward setup)
             metrics["dynamic_sampling/groups_rescued"].append(0.0)
             return out, spread, (more, logs2)
@@ -129,8 +132,7 @@ class PipelineTrainer(GRPOTrainer):
         for c, g in enumerate(chosen):
             index = [g * size + i for i in range(size)] + [groups * size + c * extra + j for j in range(extra)]
             union = [totals[i] if i < groups * size else totals2[i - groups * size] for i in index]
-            values = [t for t in union if t is not None]
-            if len(values) < 2 or max(values) - min(values) <= REWARD_TIE:
+            if not has_spread(union):
                 continue
             union_adv = self._union_advantages(union, batch_std)
             keep = balanced(union_adv, size)
@@ -143,18 +145,7 @@ class PipelineTrainer(GRPOTrainer):
         logs["advantages"] = advantages[:groups * size].tolist()  # the ledger shows the advantages the union gave
         logs2["advantages"] = advantages[groups * size:].tolist()
         both["advantages"] = advantages
-        select = torch.tensor(rows, device=advantages.device)
-        n = advantages.size(0)
-        out = {k: v.index_select(0, select) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n else v
-               for k, v in both.items()}
-        return out, spread, (more, logs2)
-
-    def _round_totals(self, logs: dict, n: int) -> list[float | None] | None:
-        rewards = logs.get("rewards") or {}
-        if (not rewards or any(len(c) != n for c in rewards.values())
-                or self.args.multi_objective_aggregation != "sum_then_normalize"):
-            return None
-        return reward_totals(rewards, self.reward_weights.tolist())
+        return select_rows(both, torch.tensor(rows, device=advantages.device)), spread, (more, logs2)
 
     def _union_advantages(self, totals: list[float | None], batch_std: float) -> list[float]:
         """TRL's advantages (sum_then_normalize) for one group of any size: reward minus the group mean, divided by
@@ -178,9 +169,8 @@ class PipelineTrainer(GRPOTrainer):
         if spread is None:
             spread = self._groups_with_spread(advantages, groups, size)
         kept = [g for g in range(groups) if spread[g]][: self.train_completions // size]
-        rows = torch.tensor([g * size + i for g in kept or [0] for i in range(size)], device=advantages.device)
-        out = {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == advantages.size(0)
-               else v for k, v in out.items()}
+        out = select_rows(out, torch.tensor([g * size + i for g in kept or [0] for i in range(size)],
+                                            device=advantages.device))
         if not kept:
             out["advantages"] = torch.zeros_like(out["advantages"])
         loss_mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
@@ -191,18 +181,10 @@ class PipelineTrainer(GRPOTrainer):
         return out
 
     def _groups_with_spread(self, advantages: torch.Tensor, groups: int, size: int) -> list[bool]:
-        rewards = getattr(self, "_logs", {}).get("rewards") or {}
-        columns = list(rewards.values())
-        summed = getattr(getattr(self, "args", None), "multi_objective_aggregation", "sum_then_normalize")
-        if (not columns or any(len(c) != advantages.size(0) for c in columns)
-                or summed != "sum_then_normalize"):  # no rewards of this batch at hand: read the advantages
+        totals = _batch_totals(self, getattr(self, "_logs", {}), advantages.size(0))
+        if totals is None:  # no rewards of this batch at hand: read the advantages
             return (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
-        totals = reward_totals(rewards, self.reward_weights.tolist())
-        spread = []
-        for g in range(groups):
-            scored = [t for t in totals[g * size:(g + 1) * size] if t is not None]
-            spread.append(len(scored) > 1 and max(scored) - min(scored) > REWARD_TIE)
-        return spread
+        return [has_spread(totals[g * size:(g + 1) * size]) for g in range(groups)]
 
     def _record_episodes(self, rows: list[dict], logs: dict) -> None:
         """A generation batch (all processes, gathered; logs: what TRL logged for it) into the ledger. With
@@ -223,6 +205,29 @@ def reward_totals(rewards: dict[str, list[float]], weights: list[float]) -> list
     None, NaN here, did not score it); None where no function scored it (TRL gives it advantage 0)."""
     return [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)
             for parts in zip(*rewards.values(), strict=True)]
+
+
+def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
+    """The reward totals (reward_totals) of the n completions TRL logged in `logs`, or None where they cannot be
+    read so: logs of another batch, or normalize_then_sum (its advantages are not a group's reward spread)."""
+    rewards = logs.get("rewards") or {}
+    aggregation = getattr(getattr(trainer, "args", None), "multi_objective_aggregation", "sum_then_normalize")
+    if not rewards or any(len(c) != n for c in rewards.values()) or aggregation != "sum_then_normalize":
+        return None
+    return reward_totals(rewards, trainer.reward_weights.tolist())
+
+
+def has_spread(totals: list[float | None]) -> bool:
+    """A group's rewards differ: at least two scored, further apart than REWARD_TIE."""
+    scored = [t for t in totals if t is not None]
+    return len(scored) > 1 and max(scored) - min(scored) > REWARD_TIE
+
+
+def select_rows(out: dict, rows: torch.Tensor) -> dict:
+    """The given rows of every per-row tensor of a TRL batch; other values as they are."""
+    n = out["advantages"].size(0)
+    return {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n else v
+            for k, v in out.items()}
 
 
 def balanced(advantages: list[float], size: int) -> list[int]:
