@@ -1,0 +1,59 @@
+"""What one decode step costs, by the dtype of the weights that generate: fp32 (what the runtime samples from
+today), bf16, and int8 (torch's dynamic quantization of every Linear). SmolLM2-135M-Instruct, one new token per
+row with a KV cache of --context tokens; each figure is the median of --repeats steps, all in one run.
+
+    .venv/bin/python scripts/bench_decode.py                 # 8 and 32 rows
+    .venv/bin/python scripts/bench_decode.py --rows 8 --context 500
+"""
+
+import argparse
+import copy
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+
+
+def step_ms(model, rows: int, context: int, repeats: int) -> float:
+    ids = torch.randint(100, 1000, (rows, context))
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+        token = torch.randint(100, 1000, (rows, 1))
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            cache = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+            times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--context", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+
+    from grpo_pipeline.api import compose_config
+    from grpo_pipeline.models import load_model, load_tokenizer
+
+    cfg = compose_config([])
+    fp32 = load_model(cfg.model, load_tokenizer(cfg.model)).eval()
+    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
+              "int8": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8)}
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
+          f"threads; SmolLM2-135M; one decode step, KV cache of {args.context} tokens")
+    print(f"{'rows':>4} | " + " | ".join(f"{name:>8}" for name in models) + " | int8 vs fp32")
+    for rows in args.rows:
+        ms = {name: step_ms(model, rows, args.context, args.repeats) for name, model in models.items()}
+        print(f"{rows:>4} | " + " | ".join(f"{v:6.1f}ms" for v in ms.values()) + f" | {ms['fp32'] / ms['int8']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
