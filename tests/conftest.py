@@ -26,6 +26,9 @@ def tiny_overrides(tmp_path: Path, env: list[str] | None = None) -> list[str]:
         "generation.oversample=1",  # the default run's dynamic sampling has its own tests
         "generation.resample_flat=0",  # nor its adaptive sampling
         "generation.max_new_tokens=8",
+        # the same on every CPU (null picks bf16 where the CPU has it natively); tests/test_generation_dtype.py
+        # runs the bf16 copy
+        "runtime.generation_dtype=float32",
         "eval.enabled=false",
         f"output_dir={tmp_path / 'run'}",
         f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",

@@ -243,6 +243,8 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         trainer.resample_flat = cfg.generation.resample_flat
     if rollout is not None and rollout.uses_vllm:
         trainer.correct_sampler_mismatch()
+    elif rollout is not None and rollout.sampler is not None and rollout.sampler.differs(trainer.model):
+        trainer.behaviour_logps = True
     return trainer
 
 

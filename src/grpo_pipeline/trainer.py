@@ -29,6 +29,8 @@ class PipelineTrainer(GRPOTrainer):
     shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
     resample_flat = 0  # generation.resample_flat: more samples for a flat group below the batch's best
+    behaviour_logps = False  # the runtime samples from a copy in another dtype (runtime.generation_dtype)
+    _loss_logps = None  # the trainer's log-probs of the batch being trained (for sampling/* metrics)
 
     def correct_sampler_mismatch(self) -> None:
         """Rollouts come from the runtime's vLLM engine (runtime/vllm_backend.py): switch on TRL's importance-sampling
@@ -45,13 +47,33 @@ class PipelineTrainer(GRPOTrainer):
                 and not getattr(self.args, CHECKPOINTING) and all(v is None for v in inputs.values())):
             prefix = prefix_logps.shared_prefix_length(input_ids, attention_mask, input_ids.size(1) - logits_to_keep)
         if prefix < prefix_logps.MIN_PREFIX:
-            return super()._get_per_token_logps_and_entropies(
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **inputs)
+            return self._seen(logps), entropies, aux
         logps, entropies = prefix_logps.per_token_logps(model, input_ids, attention_mask, logits_to_keep, prefix,
                                                         compute_entropy, batch_size or input_ids.size(0),
                                                         self.accelerator.autocast)
-        return logps, entropies, None
+        return self._seen(logps), entropies, None
+
+    def _seen(self, logps):
+        if self.behaviour_logps and torch.is_grad_enabled():  # the loss' forward, not a no-grad reference pass
+            self._loss_logps = logps.detach()
+        return logps
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss; with behaviour log-probs, also how far the sampler's log-probs are from the trainer's on the
+        tokens trained (TRL's sampling/sampling_logp_difference/*, as for vLLM)."""
+        self._loss_logps = None
+        loss = super()._compute_loss(model, inputs)
+        sampled = inputs.get("sampling_per_token_logps")
+        if self.behaviour_logps and self._loss_logps is not None and sampled is not None:
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            gap = (self._loss_logps - sampled).abs() * mask
+            metrics = self._metrics["train"]
+            metrics["sampling/sampling_logp_difference/mean"].append((gap.sum() / mask.sum().clamp(min=1)).item())
+            metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
+        return loss
 
     def _generate_and_score_completions(self, inputs):
         training = self.model.training
@@ -79,6 +101,10 @@ class PipelineTrainer(GRPOTrainer):
         for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
             value.clear()
         out = super()._generate_and_score_completions(inputs)
+        if self.behaviour_logps and "sampling_per_token_logps" in out:
+            # the samples came from the runtime's bf16 (or other dtype) copy: PPO's ratio is the policy's probability
+            # over the one that really sampled, so the clip also bounds the sampler's mismatch; costs no forward pass
+            out["old_per_token_logps"] = out["sampling_per_token_logps"]
         logs = {k: ({n: list(v) for n, v in self._logs[k].items()} if isinstance(self._logs[k], dict)
                     else list(self._logs[k])) for k in ("prompt", "completion", "rewards", "advantages", "extra")}
         return out, logs

@@ -170,6 +170,11 @@ class RuntimeConfig:
     # rollout): no per-token adapter overhead while decoding, at the cost of one copy of the model's memory.
     # null: on when the model runs on the CPU.
     merged_generation: bool | None = None
+    # dtype of that copy: float32 | bfloat16 | float16. A copy in another dtype than the trainer's samples from
+    # a slightly different distribution; the loss then takes the sampled tokens' log-probs as the behaviour
+    # policy's (PPO's ratio against what really sampled; TRL's clip_ratio/* and sampling/* metrics show the gap).
+    # null: bfloat16 for a float32 model on a CPU with native bf16 (AVX512-BF16/AMX), else the model's own.
+    generation_dtype: str | None = None
 
 
 @dataclass

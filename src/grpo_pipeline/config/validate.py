@@ -12,6 +12,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 VLLM_MODES = ("off", "colocate", "server")
 MODEL_SOURCES = ("tiny", "hub", "gguf")
 ON_ERROR = ("raise", "zero")
+GENERATION_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def config_problems(cfg: TrainConfig) -> list[str]:
@@ -95,6 +96,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                  "runtime.failure_window episodes; 1 never stops for failures).")
     if run.failure_window < 1:
         p.append(f"runtime.failure_window={run.failure_window}: must be >= 1 (episodes).")
+    if run.generation_dtype not in (None, *GENERATION_DTYPES):
+        p.append(f"runtime.generation_dtype={run.generation_dtype!r}: use one of {GENERATION_DTYPES}, or null (bfloat16 "
+                 "on a CPU with native bf16, else the model's dtype).")
 
     ev = cfg.eval
     if ev.enabled:

@@ -18,6 +18,7 @@ A shared-prefix KV cache (`SharedPrefix`) spares the prefill of what every episo
 with (the system prompt, a worked example): it is computed once per batch and reused for every turn.
 """
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +28,11 @@ from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
-from grpo_pipeline.runtime.merged import MergedCopy
+from grpo_pipeline.runtime.merged import MergedCopy, native_bf16
 from grpo_pipeline.runtime.sampler import decode, expand_cache
 from grpo_pipeline.runtime.vllm_backend import VllmBackend, vllm_in_runtime
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,13 +79,18 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
     tools = get_tool_schemas(env) if supports_tools(tokenizer) else None
     merged = cfg.runtime.merged_generation
     merged = not torch.cuda.is_available() if merged is None else merged
+    dtype = generation_dtype(cfg)
+    if dtype is not None:
+        log.info("Sampling from a %s copy of the policy (runtime.generation_dtype=%s); the loss's ratio is against "
+                 "its log-probs. runtime.generation_dtype=%s samples from the policy's own weights.",
+                 str(dtype).removeprefix("torch."), cfg.runtime.generation_dtype, cfg.model.dtype)
     vllm = None
     if in_runtime:
         def vllm():  # started on first use (~40 s on 2 cores): after every cheap check
             return VllmBackend(model_dir(cfg.model), dtype=cfg.model.dtype, max_model_len=cfg.vllm.max_model_len,
                                lora_rank=cfg.lora.r, gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
                                seed=cfg.seed)
-    common = {"tools": tools, "merged_generation": merged, "vllm": vllm}
+    common = {"tools": tools, "merged_generation": merged, "sampling_dtype": dtype, "vllm": vllm}
     if not multi_turn:
         tokens = cfg.generation.max_new_tokens
         return Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=tokens, max_episode_tokens=tokens, **common)
@@ -92,11 +100,25 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
                    max_episode_tokens=cfg.runtime.max_episode_tokens, **common)
 
 
+def generation_dtype(cfg) -> "torch.dtype | None":
+    """runtime.generation_dtype as a torch dtype; None where the copy keeps the model's own (null, except on a CPU
+    with native bf16 for a float32 model: bfloat16, measured faster in scripts/bench_decode.py)."""
+    name = cfg.runtime.generation_dtype
+    if name is None:
+        cpu = not torch.cuda.is_available() or cfg.training.use_cpu
+        name = "bfloat16" if cpu and cfg.model.dtype == "float32" and native_bf16() else None
+    return None if name is None or name == cfg.model.dtype else getattr(torch, name)
+
+
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
-                 tools: list[dict] | None = None, merged_generation: bool = False, vllm=None):
+                 tools: list[dict] | None = None, merged_generation: bool = False,
+                 sampling_dtype: torch.dtype | None = None, vllm=None):
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
+        # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
+        # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
         self.merged = MergedCopy() if merged_generation else None
+        self.sampler = MergedCopy(sampling_dtype) if sampling_dtype is not None else self.merged
         self._vllm_factory, self.vllm = vllm, None  # vllm: a VllmBackend factory (vllm=colocate), started lazily
         self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
@@ -138,7 +160,8 @@ class Rollout:
                     self.vllm.sync(policy)  # before every rollout: vLLM never samples a stale policy
                     model, prefix = None, None
                 else:
-                    model = self.merged.of(policy) if self.merged is not None else policy  # what generates
+                    source = self.sampler if sampling.get("do_sample") else self.merged
+                    model = source.of(policy) if source is not None else policy  # what generates
                     prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
                 for turn in range(self.max_turns):
                     live = [t for t in trajs if not t.done]

@@ -1,0 +1,126 @@
+"""runtime.generation_dtype: the runtime samples from a bf16 copy of the policy, refreshed before every rollout;
+the loss then takes the sampled tokens' log-probs as the behaviour policy's, and the gap is logged."""
+
+import pytest
+import torch
+from conftest import tiny_overrides
+from peft import LoraConfig, get_peft_model
+from torch.profiler import profile
+
+from grpo_pipeline.recipe import train
+from grpo_pipeline.config.schema import ModelConfig
+from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
+from grpo_pipeline.runtime import sampler
+from grpo_pipeline.runtime.merged import MergedCopy
+from grpo_pipeline.runtime.rollout import generation_dtype
+from grpo_pipeline.trainer import PipelineTrainer
+
+
+def _ids(tokenizer):
+    return torch.tensor([tokenizer("count the apples and the pears, then the plums")["input_ids"]])
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_bf16_copy_follows_the_policy_and_is_refreshed():
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(1)
+    policy = get_peft_model(build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
+                                       init_lora_weights=False, lora_dropout=0.0)).eval()
+    ids = _ids(tokenizer)
+    copy16 = MergedCopy(torch.bfloat16)
+    plain = copy16.of(policy)
+    assert copy16.differs(policy) and not MergedCopy().differs(policy)
+    assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    assert not any("lora" in n for n, _ in plain.named_modules())
+    gap = (_logits(plain, ids) - _logits(policy, ids)).abs().max().item()
+    assert 0 < gap < 0.1  # bf16 rounding, not another model
+    with torch.no_grad():  # an optimizer step on the adapter
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    assert (_logits(plain, ids) - _logits(policy, ids)).abs().max().item() > 0.1  # stale until asked for again
+    assert copy16.of(policy) is plain
+    assert (_logits(plain, ids) - _logits(policy, ids)).abs().max().item() < 0.1
+
+
+def test_bf16_copy_of_a_fully_trained_model_copies_every_weight():
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer).eval()
+    ids = _ids(tokenizer)
+    assert MergedCopy().of(model) is model and MergedCopy(torch.float32).of(model) is model  # nothing to copy
+    copy16 = MergedCopy(torch.bfloat16)
+    plain = copy16.of(model)
+    assert plain is not model and next(plain.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert copy16.of(model) is plain
+    assert (_logits(plain, ids) - _logits(model, ids)).abs().max().item() < 0.1
+
+
+def test_decode_hands_the_lm_head_a_contiguous_last_state():
+    """With logits_to_keep=1, a prefill of several columns gave the LM head a strided view, and torch's matmul
+    expanded the head's weight once per row for a copy without requires_grad (a bmm over [rows, hidden, vocab])."""
+    tokenizer = build_tiny_tokenizer()
+    model = MergedCopy(torch.bfloat16).of(build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer))
+    ids = torch.randint(5, 100, (6, 12))
+    assert sampler.last_position(ids[:, :1]) == 1
+    assert sampler.last_position(ids).tolist() == [11]
+    with torch.no_grad(), profile(record_shapes=True) as prof:
+        tokens, _ = sampler.decode(model, ids, torch.ones_like(ids), 3, {"do_sample": False}, [0])
+    vocab = model.config.vocab_size
+    assert not [e for e in prof.events() if e.name == "aten::bmm" and any(vocab in s for s in e.input_shapes if s)]
+    with torch.no_grad():  # the same tokens as the full-logits forward gives
+        first = model(input_ids=ids).logits[:, -1].argmax(-1)
+    assert [t[0] for t in tokens] == first.tolist()
+
+
+def test_default_generation_dtype_follows_the_cpu(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.runtime import rollout
+
+    cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(rollout, "native_bf16", lambda: True)
+    assert generation_dtype(cfg) == torch.bfloat16
+    monkeypatch.setattr(rollout, "native_bf16", lambda: False)
+    assert generation_dtype(cfg) is None  # emulated bf16 is slower than float32: the model's own dtype
+    cfg = compose_cfg(["model=tiny", "runtime.generation_dtype=bfloat16", f"output_dir={tmp_path}"])
+    assert generation_dtype(cfg) == torch.bfloat16  # asked for: also where it is emulated
+    cfg = compose_cfg(["model=tiny", "runtime.generation_dtype=float32", f"output_dir={tmp_path}"])
+    assert generation_dtype(cfg) is None  # the model's own
+
+
+def test_unknown_generation_dtype_is_a_config_error(compose_cfg, tmp_path):
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "runtime.generation_dtype=int4"])
+    with pytest.raises(ConfigError, match=r"runtime.generation_dtype='int4'.*bfloat16"):
+        train(cfg, launch_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_loss_ratio_is_against_the_sampler(compose_cfg, tmp_path, monkeypatch, dtype):
+    seen = []
+    original = PipelineTrainer._compute_loss
+
+    def capture(self, model, inputs):
+        seen.append({k: inputs.get(k) for k in ("old_per_token_logps", "sampling_per_token_logps", "completion_mask")})
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(PipelineTrainer, "_compute_loss", capture)
+    cfg = compose_cfg([*tiny_overrides(tmp_path), f"runtime.generation_dtype={dtype}"])
+    result = train(cfg, launch_dir=str(tmp_path))
+    assert result.steps == 2 and len(seen) == 2
+    from grpo_pipeline.tracking import metric_history
+
+    gap = metric_history(f"sqlite:///{tmp_path / 'mlflow.db'}", result.mlflow_run_id,
+                         "sampling/sampling_logp_difference/mean")
+    if dtype == "float32":  # on-policy: TRL's own ratio against the trainer's log-probs, nothing to log
+        assert all(s["old_per_token_logps"] is None for s in seen) and gap == []
+        return
+    for s in seen:  # PPO's ratio is over the log-probs of what sampled (the bf16 copy), as the rollout returned them
+        assert torch.equal(s["old_per_token_logps"], s["sampling_per_token_logps"])
+    assert len(gap) == 2 and all(0 <= g < 0.2 for g in gap) and max(gap) > 0  # bf16 rounding: small, not none
