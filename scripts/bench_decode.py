@@ -1,6 +1,8 @@
 """What one decode step costs, by the dtype of the weights that generate: fp32 (what the runtime samples from
 today), bf16, and int8 (torch's dynamic quantization of every Linear). SmolLM2-135M-Instruct, one new token per
-row with a KV cache of --context tokens; each figure is the median of --repeats steps, all in one run.
+row with a KV cache of --context tokens; each figure is the median of --repeats steps, all in one run. And how far
+each copy's log-probs are from fp32's: the mean |log p - log p_fp32| of the next token over the rendered prompts of
+env=arithmetic (teacher-forced; what a sampler's mismatch costs the loss's ratio).
 
     .venv/bin/python scripts/bench_decode.py                 # 8 and 32 rows
     .venv/bin/python scripts/bench_decode.py --rows 8 --context 500
@@ -30,6 +32,19 @@ def step_ms(model, rows: int, context: int, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def logp_gap(model, reference, texts: list[list[int]]) -> float:
+    """Mean |log p - log p_ref| of each actual next token over `texts` (token ids)."""
+    gaps = []
+    with torch.no_grad():
+        for ids in texts:
+            x = torch.tensor([ids])
+            target = x[0, 1:, None]
+            lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1).gather(-1, target)
+            ref = torch.log_softmax(reference(input_ids=x).logits[0, :-1].float(), -1).gather(-1, target)
+            gaps.append((lp - ref).abs().mean().item())
+    return statistics.fmean(gaps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32])
@@ -42,13 +57,21 @@ def main() -> None:
 
     from grpo_pipeline.api import compose_config
     from grpo_pipeline.models import load_model, load_tokenizer
+    from grpo_pipeline.prompts import render_prompt
+    from grpo_pipeline.recipe import load_env_and_dataset
 
     cfg = compose_config([])
-    fp32 = load_model(cfg.model, load_tokenizer(cfg.model)).eval()
+    tokenizer = load_tokenizer(cfg.model)
+    fp32 = load_model(cfg.model, tokenizer).eval()
+    _, _, dataset, _ = load_env_and_dataset(cfg)
+    texts = [tokenizer(render_prompt(tokenizer, dataset[i]["prompt"])[0], add_special_tokens=False)["input_ids"]
+             for i in range(8)]
     models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
               "int8": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8)}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M; one decode step, KV cache of {args.context} tokens")
+    gaps = {name: logp_gap(model, fp32, texts) for name, model in models.items()}
+    print("mean |log p - log p_fp32| per token: " + ", ".join(f"{name} {gap:.4f}" for name, gap in gaps.items()))
     print(f"{'rows':>4} | " + " | ".join(f"{name:>8}" for name in models) + " | int8 vs fp32")
     for rows in args.rows:
         ms = {name: step_ms(model, rows, args.context, args.repeats) for name, model in models.items()}

@@ -3,14 +3,14 @@ the loss then takes the sampled tokens' log-probs as the behaviour policy's, and
 
 import pytest
 import torch
-from conftest import tiny_overrides
 from peft import LoraConfig, get_peft_model
 from torch.profiler import profile
 
-from grpo_pipeline.recipe import train
+from conftest import tiny_overrides
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
+from grpo_pipeline.recipe import train
 from grpo_pipeline.runtime import sampler
 from grpo_pipeline.runtime.merged import MergedCopy
 from grpo_pipeline.runtime.rollout import generation_dtype
@@ -87,6 +87,7 @@ def test_default_generation_dtype_follows_the_cpu(compose_cfg, tmp_path, monkeyp
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
     monkeypatch.setattr(rollout, "native_bf16", lambda: True)
     assert generation_dtype(cfg) == torch.bfloat16
+    assert generation_dtype(cfg, multi_turn=True) is None  # measured slower there: the model's own
     monkeypatch.setattr(rollout, "native_bf16", lambda: False)
     assert generation_dtype(cfg) is None  # emulated bf16 is slower than float32: the model's own dtype
     cfg = compose_cfg(["model=tiny", "runtime.generation_dtype=bfloat16", f"output_dir={tmp_path}"])

@@ -173,7 +173,8 @@ class RuntimeConfig:
     # dtype of that copy: float32 | bfloat16 | float16. A copy in another dtype than the trainer's samples from
     # a slightly different distribution; the loss then takes the sampled tokens' log-probs as the behaviour
     # policy's (PPO's ratio against what really sampled; TRL's clip_ratio/* and sampling/* metrics show the gap).
-    # null: bfloat16 for a float32 model on a CPU with native bf16 (AVX512-BF16/AMX), else the model's own.
+    # null: bfloat16 for a single-turn env's float32 model on a CPU with native bf16 (AVX512-BF16/AMX), else the
+    # model's own (multi-turn: measured slower in bf16).
     generation_dtype: str | None = None
 
 

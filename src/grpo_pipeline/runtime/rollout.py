@@ -79,7 +79,7 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
     tools = get_tool_schemas(env) if supports_tools(tokenizer) else None
     merged = cfg.runtime.merged_generation
     merged = not torch.cuda.is_available() if merged is None else merged
-    dtype = generation_dtype(cfg)
+    dtype = generation_dtype(cfg, multi_turn)
     if dtype is not None:
         log.info("Sampling from a %s copy of the policy (runtime.generation_dtype=%s); the loss's ratio is against "
                  "its log-probs. runtime.generation_dtype=%s samples from the policy's own weights.",
@@ -100,13 +100,14 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
                    max_episode_tokens=cfg.runtime.max_episode_tokens, **common)
 
 
-def generation_dtype(cfg) -> "torch.dtype | None":
-    """runtime.generation_dtype as a torch dtype; None where the copy keeps the model's own (null, except on a CPU
-    with native bf16 for a float32 model: bfloat16, measured faster in scripts/bench_decode.py)."""
+def generation_dtype(cfg, multi_turn: bool = False) -> "torch.dtype | None":
+    """runtime.generation_dtype as a torch dtype; None where the copy keeps the model's own. null: bfloat16 for a
+    single-turn env's float32 model on a CPU with native bf16 (its rollouts measured ~1.8x faster, README
+    "Measured"); the model's own otherwise (a multi-turn env=hotel step measured slower in bf16, cause not found)."""
     name = cfg.runtime.generation_dtype
     if name is None:
         cpu = not torch.cuda.is_available() or cfg.training.use_cpu
-        name = "bfloat16" if cpu and cfg.model.dtype == "float32" and native_bf16() else None
+        name = "bfloat16" if cpu and not multi_turn and cfg.model.dtype == "float32" and native_bf16() else None
     return None if name is None or name == cfg.model.dtype else getattr(torch, name)
 
 
