@@ -98,7 +98,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append(f"runtime.failure_window={run.failure_window}: must be >= 1 (episodes).")
     if run.generation_dtype not in (None, *GENERATION_DTYPES):
         p.append(f"runtime.generation_dtype={run.generation_dtype!r}: use one of {GENERATION_DTYPES}, or null (bfloat16 "
-                 "on a CPU with native bf16, else the model's dtype).")
+                 "for a single-turn env on a CPU with native bf16, else the model's dtype).")
 
     ev = cfg.eval
     if ev.enabled:
