@@ -68,7 +68,7 @@ class PipelineTrainer(GRPOTrainer):
         loss = super()._compute_loss(model, inputs)
         sampled = inputs.get("sampling_per_token_logps")
         if self.behaviour_logps and self._loss_logps is not None and sampled is not None:
-            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            mask = loss_mask(inputs)
             gap = (self._loss_logps - sampled).abs() * mask
             metrics = self._metrics["train"]
             metrics["sampling/sampling_logp_difference/mean"].append((gap.sum() / mask.sum().clamp(min=1)).item())
@@ -199,8 +199,7 @@ class PipelineTrainer(GRPOTrainer):
                                             device=advantages.device))
         if not kept:
             out["advantages"] = torch.zeros_like(out["advantages"])
-        loss_mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
-        out["num_items_in_batch"] = loss_mask.sum()
+        out["num_items_in_batch"] = loss_mask(out).sum()
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/groups_sampled"].append(float(groups))
         metrics["dynamic_sampling/groups_trained"].append(float(len(kept)))
@@ -241,6 +240,11 @@ def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
     if not rewards or any(len(c) != n for c in rewards.values()) or aggregation != "sum_then_normalize":
         return None
     return reward_totals(rewards, trainer.reward_weights.tolist())
+
+
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The tokens a TRL batch trains on: the completion's, less the env's (tool_mask) in multi-turn episodes."""
+    return batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
 
 
 def has_spread(totals: list[float | None]) -> bool:
