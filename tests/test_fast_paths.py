@@ -215,3 +215,29 @@ def test_merged_copy_generates_like_the_policy_and_is_never_stale():
     # a plain (non-LoRA) model generates as itself
     model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
     assert MergedCopy().of(model) is model
+
+
+def test_the_growing_cache_layer_holds_what_concatenation_holds():
+    """sampler.GrowingLayer writes into spare room (no copy of the whole cache per decode step): its keys/values
+    equal torch.cat's after every update, across a growth of the room, a batch selection and a crop."""
+    from transformers.cache_utils import DynamicLayer
+
+    grown, plain = sampler.GrowingLayer(), DynamicLayer()
+    torch.manual_seed(0)
+    pointers = set()
+    for step in range(100):
+        n = 30 if step == 0 else 1
+        k, v = torch.randn(3, 2, n, 4), torch.randn(3, 2, n, 4)
+        if step == 50:
+            keep = torch.tensor([0, 2])
+            grown.batch_select_indices(keep), plain.batch_select_indices(keep)
+        if step == 70:
+            grown.crop(-5), plain.crop(-5)
+        if step >= 50:
+            k, v = k[:2], v[:2]
+        out_k, out_v = grown.update(k, v)
+        ref_k, ref_v = plain.update(k, v)
+        assert torch.equal(out_k, ref_k) and torch.equal(out_v, ref_v)
+        assert grown.get_seq_length() == plain.get_seq_length()
+        pointers.add(grown.keys.data_ptr())
+    assert len(pointers) < 5  # the room moved only when it filled up or the batch changed, not at every step

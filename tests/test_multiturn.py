@@ -113,6 +113,42 @@ def test_a_shared_prefix_cache_gives_the_same_tokens(tiny):
     assert cached == plain == alone
 
 
+def test_each_turn_continues_from_the_episodes_kv_cache(tiny, monkeypatch):
+    """Turn k+1 feeds only what turn k's cache lacks (its last token, the env's reply), and gives the tokens
+    and log-probs a full prefill gives: also for rows that ended early (tokens sampled after their eos sit in
+    the cache, masked) and rows cut by the turn limit."""
+    import grpo_pipeline.runtime.rollout as rollout_module
+
+    fed = []
+    decode = rollout_module.decode
+    monkeypatch.setattr(rollout_module, "decode", lambda model, ids, mask, *a, **kw: (
+        fed.append(ids.size(1) - a[4] if len(a) > 4 else ids.size(1)), decode(model, ids, mask, *a, **kw))[1])
+
+    def episodes(reuse: bool, sampling, extra_eos=()):
+        rollout, data = _rollout(tiny, reuse_cache=reuse, turn_tokens=8)
+        rollout.eos_ids = rollout.eos_ids + list(extra_eos)
+        torch.manual_seed(0)
+        fed.clear()
+        trajs = rollout.run(tiny[1], data["prompt"][:6], [{"i": i} for i in range(6)], sampling)
+        return trajs, list(fed)
+
+    plain, _ = episodes(False, GREEDY)
+    common = max(set(plain[0].completion_ids), key=plain[0].completion_ids.count)  # ends some turns early
+    plain, fed_plain = episodes(False, GREEDY, [common])
+    reused, fed_reused = episodes(True, GREEDY, [common])
+    turn_lengths = [len(m["content"]) for t in plain for m in t.messages if m["role"] == "assistant"]
+    assert len(set(turn_lengths)) > 1  # turns of different lengths: early eos and full turns both happen
+    assert [t.completion_ids for t in reused] == [t.completion_ids for t in plain]
+    assert len(fed_reused) == len(fed_plain) == 3 and fed_reused[0] == fed_plain[0]
+    assert max(fed_reused[1:]) < min(fed_plain[1:])  # later turns feed only the new tokens
+
+    sampled, _ = episodes(True, SAMPLING, [common])
+    for t in sampled:  # the sampled tokens' log-probs are the model's for exactly this context
+        forced = _teacher_forced_logps(tiny[1], t.prompt_ids, t.completion_ids, SAMPLING["temperature"])
+        model_tokens = torch.tensor(t.env_mask).bool()
+        assert torch.allclose(forced[model_tokens], torch.tensor(t.logprobs)[model_tokens], atol=1e-4)
+
+
 def test_the_token_budget_and_the_turn_limit_end_episodes(tiny):
     rollout, data = _rollout(tiny, max_episode_tokens=20)
     t = rollout.run(tiny[1], data["prompt"][:1], [{"i": 0}], GREEDY)[0]

@@ -15,7 +15,9 @@ exactly the tokens sampled: an assistant turn is never decoded and re-encoded; o
 tokenized, once, and the next turn is generated from those very ids.
 
 A shared-prefix KV cache (`SharedPrefix`) spares the prefill of what every episode's context starts
-with (the system prompt, a worked example): it is computed once per batch and reused for every turn.
+with (the system prompt, a worked example): it is computed once per batch and used by the first turn. Each
+episode's KV cache is kept from one turn to the next (`RowCache`): turn k+1 feeds only the tokens that turn k
+did not see (its last sampled token and the env's reply), not the whole conversation again.
 """
 
 import logging
@@ -29,7 +31,7 @@ from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
 from grpo_pipeline.runtime.merged import MergedCopy, native_bf16
-from grpo_pipeline.runtime.sampler import decode, expand_cache
+from grpo_pipeline.runtime.sampler import RowCache, cached_rows, decode, expand_cache
 from grpo_pipeline.runtime.vllm_backend import VllmBackend, vllm_in_runtime
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ def generation_dtype(cfg, multi_turn: bool = False) -> "torch.dtype | None":
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
-                 sampling_dtype: torch.dtype | None = None, vllm=None):
+                 sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True):
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
         # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
         # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
@@ -124,6 +126,7 @@ class Rollout:
         self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
         self.tools = tools
+        self.reuse_cache = reuse_cache  # keep each episode's KV cache between turns (False: prefill every turn)
         self.eos_ids = _as_list(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
@@ -164,15 +167,20 @@ class Rollout:
                     source = self.sampler if sampling.get("do_sample") else self.merged
                     model = source.of(policy) if source is not None else policy  # what generates
                     prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
+                caches: dict[int, RowCache] = {}  # id(trajectory) -> its KV cache after the last turn
                 for turn in range(self.max_turns):
                     live = [t for t in trajs if not t.done]
                     if not live:
                         break
-                    self._assistant_turn(model, live, sampling, prefix, limit)
+                    self._assistant_turn(model, live, sampling, prefix, limit,
+                                         caches if self.reuse_cache else None, keep=turn < self.max_turns - 1)
                     live = [t for t in live if not t.done]
                     if turn == self.max_turns - 1:
                         break
                     self._env_turn(live)
+                    for t in live:
+                        if t.done:
+                            caches.pop(id(t), None)
         finally:
             policy.train(was_training)
         return trajs
@@ -183,17 +191,23 @@ class Rollout:
         return Trajectory(prompt=prompt, row=row, prompt_ids=list(ids))
 
     def _assistant_turn(self, model, live: list[Trajectory], sampling: dict, prefix: "SharedPrefix",
-                        turn_tokens: int) -> None:
+                        turn_tokens: int, caches: dict[int, RowCache] | None = None, keep: bool = False) -> None:
+        """Turn k of every live episode, in one batched decode. With `caches`, each episode continues from its KV
+        cache of the turn before (when it has one) and, with `keep` (a turn follows), leaves this turn's there."""
         limits = [min(turn_tokens, self.max_episode_tokens - len(t.completion_ids)) for t in live]
         contexts = [t.prompt_ids + t.completion_ids for t in live]
         with_logprobs = sampling.get("do_sample", False)
+        snapshots = [None] * len(live) if caches is not None and keep else None
         if self.vllm is not None:
             new_ids, new_logps = self.vllm.generate(contexts, max(limits), sampling, self.eos_ids, with_logprobs)
         else:
+            before = [caches.pop(id(t), None) for t in live] if caches is not None else None
             new_ids, new_logps = generate(model, contexts, max(limits), sampling, self.eos_ids, self.pad_id, prefix,
-                                          with_logprobs=with_logprobs)
-        for t, ids, logps, limit in zip(live, new_ids, new_logps, limits, strict=True):
+                                          with_logprobs=with_logprobs, caches=before, snapshots=snapshots)
+        for i, (t, ids, logps, limit) in enumerate(zip(live, new_ids, new_logps, limits, strict=True)):
             ids, logps = ids[:limit], logps[:limit]
+            if snapshots is not None and snapshots[i] is not None:
+                caches[id(t)] = snapshots[i].keep(len(ids))
             t.completion_ids += ids
             t.env_mask += [1] * len(ids)
             t.logprobs += logps
@@ -281,27 +295,32 @@ def _common_prefix_length(sequences: list[list[int]]) -> int:
 
 
 def generate(model, sequences: list[list[int]], max_new_tokens: int, sampling: dict, eos_ids: list[int],
-             pad_id: int, prefix: SharedPrefix | None = None, with_logprobs: bool = True
+             pad_id: int, prefix: SharedPrefix | None = None, with_logprobs: bool = True,
+             caches: "list[RowCache | None] | None" = None, snapshots: list | None = None
              ) -> tuple[list[list[int]], list[list[float]]]:
     """One batched generate over token-id sequences of different lengths. Returns, per sequence, the sampled
     ids up to and including its first eos, and their log-probabilities under the sampling temperature.
 
     With a shared prefix, every sequence is laid out as [prefix | left padding | its own tokens]: the prefix's
     KV cache is reused, and the holes are masked (positions come from the attention mask, so each token
-    keeps the position it would have without padding)."""
+    keeps the position it would have without padding). With `caches` (one `RowCache` per sequence, each holding
+    a prefix of its sequence), the layout is [its cache | left padding | the tokens after it] and only those are
+    fed. `snapshots` (a list of Nones) is filled with each sequence's cache afterwards (`sampler.decode`)."""
     device = model.device
-    use_prefix = prefix is not None and prefix.covers(sequences)
-    start = len(prefix.ids) if use_prefix else 0
-    tails = [s[start:] for s in sequences]
-    width = max(len(t) for t in tails)
+    if caches is not None and caches and all(c is not None for c in caches):
+        caches = [c if c.tokens < len(s) else c.drop_last() for c, s in zip(caches, sequences, strict=True)]
+        cache, head = cached_rows(caches)  # head: the mask over the cached columns
+        tails = [s[c.tokens:] for c, s in zip(caches, sequences, strict=True)]
+    elif prefix is not None and prefix.covers(sequences):
+        cache, head = prefix.expanded(len(sequences)), torch.ones((len(sequences), len(prefix.ids)), dtype=torch.long)
+        tails = [s[len(prefix.ids):] for s in sequences]
+    else:
+        cache, head, tails = None, torch.zeros((len(sequences), 0), dtype=torch.long), sequences
+    start, width = head.size(1), max(len(t) for t in tails)
     ids = torch.full((len(tails), start + width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    if use_prefix:
-        ids[:, :start] = torch.tensor(prefix.ids)
-        mask[:, :start] = 1
+    mask = torch.cat([head.to(torch.long).cpu(), torch.zeros((len(tails), width), dtype=torch.long)], dim=1)
     for i, tail in enumerate(tails):
         ids[i, start + width - len(tail):] = torch.tensor(tail)
         mask[i, start + width - len(tail):] = 1
-    cache = prefix.expanded(len(tails)) if use_prefix else None
     return decode(model, ids.to(device), mask.to(device), max_new_tokens, sampling, eos_ids, cache, start,
-                  with_logprobs=with_logprobs)
+                  with_logprobs=with_logprobs, snapshots=snapshots)

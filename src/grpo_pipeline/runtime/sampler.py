@@ -13,8 +13,10 @@ Greedy decoding gives generate's tokens exactly (a test checks it, with and with
 """
 
 import copy
+from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation import utils as _generation_utils
 
 # transformers renamed generate's and forward's `past_key_values` to `cache` (5.2x)
@@ -24,10 +26,14 @@ COMPACT_SHARE = 0.25  # drop finished rows from the batch once this share of the
 
 
 def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, sampling: dict, eos_ids: list[int],
-           cache=None, prefix_length: int = 0, with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
+           cache=None, prefix_length: int = 0, with_logprobs: bool = True, snapshots: list | None = None
+           ) -> tuple[list[list[int]], list[list[float]]]:
     """Continue every row of `ids` (left-padded; `mask` marks real tokens; the first `prefix_length` columns may
-    already be in `cache`). Returns per row the new ids up to and including its first eos, and their log-probs."""
+    already be in `cache`). Returns per row the new ids up to and including its first eos, and their log-probs.
+    `snapshots` (a list of `batch` Nones): filled with each row's KV cache as it leaves the batch (`RowCache`), so
+    that a next turn can continue from it instead of prefilling the row again."""
     batch = ids.size(0)
+    width, real = ids.size(1), mask.sum(1).tolist()
     do_sample = bool(sampling.get("do_sample", False))
     temperature = float(sampling.get("temperature") or 1.0) if do_sample else 1.0
     top_k, top_p = int(sampling.get("top_k") or 0), float(sampling.get("top_p") or 1.0)
@@ -45,7 +51,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, sa
         kwargs = {CACHE_KWARG: cache} if cache is not None else {}
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
                     logits_to_keep=last_position(step_ids), **kwargs)
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = _growing(getattr(out, "cache", None) or out.past_key_values)
         logits = out.logits[:, -1, :].float()
         if do_sample:
             scaled = logits / temperature
@@ -66,10 +72,102 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, sa
         finished += int(newly_done.sum())
         if finished >= COMPACT_SHARE * len(rows):  # rows past their eos leave the batch (and its KV cache)
             keep = (~done).nonzero().squeeze(-1)
+            if snapshots is not None:
+                _snapshot(snapshots, cache, mask, rows, done.nonzero().squeeze(-1), out_ids, width, real)
             cache.batch_select_indices(keep)
             rows, mask, step_ids, step_pos, done = rows[keep], mask[keep], step_ids[keep], step_pos[keep], done[keep]
             finished = 0
+    if snapshots is not None:
+        _snapshot(snapshots, cache, mask, rows, torch.arange(len(rows), device=device), out_ids, width, real)
     return _cut_at_eos(out_ids, out_logps, eos_ids)
+
+
+@dataclass
+class RowCache:
+    """One sequence's KV cache after a decode: per layer (keys, values) of shape [heads, columns, head_dim], the
+    mask over those columns (0 on padding holes and on tokens dropped), and how many tokens of the sequence it
+    holds, in order. Generated tokens start at column `start`; `fed` of them are in the cache."""
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor
+    tokens: int
+    start: int = 0
+    fed: int = 0
+
+    def keep(self, generated: int) -> "RowCache":
+        """The cache of the sequence that keeps only the first `generated` of the tokens this decode produced
+        (the rest, sampled after an eos or past a row's own limit, are masked out)."""
+        n = min(self.fed, generated)
+        mask = self.mask.clone()
+        mask[self.start + n:] = 0
+        return RowCache(self.layers, mask, self.tokens - self.fed + n)
+
+    def drop_last(self) -> "RowCache":
+        """The cache without its last token (so that a continuation has at least one token to feed)."""
+        mask = self.mask.clone()
+        mask[int(mask.nonzero().max())] = 0
+        return RowCache(self.layers, mask, self.tokens - 1)
+
+
+def cached_rows(caches: list[RowCache]) -> tuple[DynamicCache, torch.Tensor]:
+    """One batch cache from row caches, each right-aligned to the longest (the columns in front masked), and its
+    mask [rows, columns]."""
+    width = max(c.mask.numel() for c in caches)
+    mask = torch.zeros((len(caches), width), dtype=caches[0].mask.dtype, device=caches[0].mask.device)
+    data = []
+    for layer in range(len(caches[0].layers)):
+        keys, values = caches[0].layers[layer]
+        shape = (len(caches), keys.size(0), width, keys.size(-1))
+        k, v = keys.new_zeros(shape), values.new_zeros(shape)
+        for i, c in enumerate(caches):
+            n = c.mask.numel()
+            k[i, :, width - n:], v[i, :, width - n:] = c.layers[layer]
+        data.append((k, v))
+    for i, c in enumerate(caches):
+        mask[i, width - c.mask.numel():] = c.mask
+    return DynamicCache(ddp_cache_data=data), mask
+
+
+def _snapshot(snapshots: list, cache, mask, rows, leaving: torch.Tensor, out_ids, width: int, real: list[int]):
+    if not all(isinstance(layer, DynamicLayer) and not layer.is_sliding for layer in cache.layers):  # no holes allowed
+        return
+    length = cache.get_seq_length()
+    kept = [(layer.keys[leaving], layer.values[leaving]) for layer in cache.layers]
+    for j, live in enumerate(leaving.tolist()):
+        row = int(rows[live])
+        fed = len(out_ids[row]) - 1  # the last token sampled was never fed
+        snapshots[row] = RowCache([(k[j], v[j]) for k, v in kept], mask[live, :length].clone(), real[row] + fed,
+                                  start=width, fed=fed)
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer that writes new keys and values into spare room at the end of its tensors instead of
+    concatenating: `torch.cat` copies the whole cache at every decode step (measured on SmolLM2, 8 rows with an
+    800-token cache: 42% of a decode step). The room grows by half when full; the layer's `keys` and `values`
+    stay views of the filled part, so everything that reads them works as before."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length, n = self.get_seq_length(), key_states.shape[-2]
+        room = getattr(self, "_room", None)
+        # a fresh tensor (batch_select_indices, repeat_interleave, reset) or a full room: move into a new room
+        if room is None or self.keys.data_ptr() != room[0].data_ptr() or length + n > room[0].shape[-2]:
+            capacity = length + n + max(64, (length + n) // 2)
+            room = tuple(t.new_empty((*t.shape[:-2], capacity, t.shape[-1])) for t in (key_states, value_states))
+            if length:
+                room[0][..., :length, :], room[1][..., :length, :] = self.keys, self.values
+            self._room = room
+        room[0][..., length:length + n, :], room[1][..., length:length + n, :] = key_states, value_states
+        self.keys, self.values = room[0][..., :length + n, :], room[1][..., :length + n, :]
+        return self.keys, self.values
+
+
+def _growing(cache):
+    """The cache with its plain DynamicLayers turned into GrowingLayers (in place; other layer kinds untouched)."""
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is DynamicLayer:
+            layer.__class__ = GrowingLayer
+    return cache
 
 
 def last_position(ids: torch.Tensor) -> int | torch.Tensor:
