@@ -80,7 +80,10 @@ class VllmBackend:
 
         sample = bool(sampling.get("do_sample", False))
         params = SamplingParams(
-            n=1, max_tokens=max_new_tokens, stop_token_ids=list(eos_ids), detokenize=False, skip_special_tokens=False,
+            # ignore_eos: stop at the runtime's eos ids only (the tokenizer's, as the HF decode loop does), not also
+            # at the ids of the model's generation_config, which vLLM would add by itself
+            n=1, max_tokens=max_new_tokens, stop_token_ids=list(eos_ids), ignore_eos=True, detokenize=False,
+            skip_special_tokens=False,
             temperature=float(sampling.get("temperature") or 1.0) if sample else 0.0,
             top_k=int(sampling.get("top_k") or 0) if sample else 0,
             top_p=float(sampling.get("top_p") or 1.0) if sample else 1.0,
