@@ -52,9 +52,10 @@ def test_missing_gguf_package_is_a_clear_error():
         load_tokenizer(cfg)
 
 
-@pytest.mark.slow  # ~45 s of network retries; make test-slow runs it
 def test_unreachable_hub_model_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the variable once, at import: without this the loader waits ~45 s for the network
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     cfg = ModelConfig(name="x", source="hub", name_or_path="nobody/does-not-exist-model")
     with pytest.raises(ConfigError, match="model.name_or_path='nobody/does-not-exist-model' could not be loaded"):
         load_tokenizer(cfg)
