@@ -206,8 +206,6 @@ class Rollout:
                                           with_logprobs=with_logprobs, caches=before, snapshots=snapshots)
         for i, (t, ids, logps, limit) in enumerate(zip(live, new_ids, new_logps, limits, strict=True)):
             ids, logps = ids[:limit], logps[:limit]
-            if snapshots is not None and snapshots[i] is not None:
-                caches[id(t)] = snapshots[i].keep(len(ids))
             t.completion_ids += ids
             t.env_mask += [1] * len(ids)
             t.logprobs += logps
@@ -216,6 +214,8 @@ class Rollout:
             ended = bool(ids) and ids[-1] in self.eos_ids
             if len(t.completion_ids) >= self.max_episode_tokens or (limit < turn_tokens and not ended):
                 t.done = t.cut = True  # the episode's token budget is spent
+            elif snapshots is not None and snapshots[i] is not None:
+                caches[id(t)] = snapshots[i].keep(len(ids))  # for its next turn
 
     def _env_turn(self, live: list[Trajectory]) -> None:
         """The env's reply to each live episode, concurrently; an episode whose reply is None is done."""
