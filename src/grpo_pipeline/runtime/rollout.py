@@ -307,7 +307,7 @@ def generate(model, sequences: list[list[int]], max_new_tokens: int, sampling: d
     a prefix of its sequence), the layout is [its cache | left padding | the tokens after it] and only those are
     fed. `snapshots` (a list of Nones) is filled with each sequence's cache afterwards (`sampler.decode`)."""
     device = model.device
-    if caches is not None and caches and all(c is not None for c in caches):
+    if caches and all(c is not None for c in caches):
         caches = [c if c.tokens < len(s) else c.drop_last() for c, s in zip(caches, sequences, strict=True)]
         cache, head = cached_rows(caches)  # head: the mask over the cached columns
         tails = [s[c.tokens:] for c, s in zip(caches, sequences, strict=True)]
