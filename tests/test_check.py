@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from grpo_pipeline.check import Report, _learnability, flat_share, run_check
+from grpo_pipeline.check import Report, _learnability, best_of_k, flat_share, pass_at_k, run_check
 
 SHRINK = ["model=tiny", "check.num_prompts=2", "generation.max_new_tokens=6", "generation.num_generations=3",
           "training.batch_size=6", "check.num_generations=[2,3]"]
@@ -140,3 +140,28 @@ def test_flat_share_is_the_exact_chance_a_subgroup_is_flat():
     assert flat_share([1.0, 1.0, 0.0, 0.0], 3) == 0.0
     assert flat_share([0.5, 0.5, 0.5], 2) == 1.0
     assert flat_share([0.0, 1.0, 1.0, 1.0], 3) == pytest.approx(1 / 4)
+
+
+def test_pass_at_k_and_best_of_k_are_the_exact_chances_over_subsets():
+    import itertools
+    import statistics
+
+    group = [0.0, 1.0, 0.2, 0.2, 1.0, 0.5]
+    for k in range(1, len(group) + 1):  # against brute force over every k-subset of the samples
+        subsets = list(itertools.combinations(group, k))
+        assert pass_at_k(group, k) == pytest.approx(statistics.fmean(max(c) >= 1.0 for c in subsets))
+        assert best_of_k(group, k) == pytest.approx(statistics.fmean(max(c) for c in subsets))
+    assert pass_at_k([0.2] * 8, 8) == 0.0 and best_of_k([0.2] * 8, 8) == pytest.approx(0.2)
+
+
+def test_the_doctor_says_what_training_can_reach():
+    known = Report()
+    # prompt 1 solved in 1 of 4 samples, prompt 2 never (partial credit only)
+    _learnability(known, [[1.0, 0.2, 0.2, 0.0], [0.2, 0.5, 0.0, 0.2]], [2, 4], training_size=4)
+    text = known.text()
+    assert "pass@1 0.12, pass@2 0.25, pass@4 0.50 (a full score, 1.0)" in text
+    assert "best of 4 0.750 (mean reward)" in text  # (1.0 + 0.5) / 2
+    assert not any("no sampled completion earned a full score" in w for w in known.warnings)
+    never = Report()
+    _learnability(never, [[0.2, 0.5, 0.0, 0.2], [0.2, 0.2, 0.0, 0.5]], [2, 4], training_size=4)
+    assert any(w.startswith("no sampled completion earned a full score (pass@4 0.00)") for w in never.warnings)

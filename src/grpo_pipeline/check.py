@@ -6,6 +6,8 @@ same runtime as training, and prints a compact report with concrete warnings:
 - learnability: for each group size in `check.num_generations`, the expected share of groups with no
   reward spread (GRPO learns nothing from them) and the mean within-group std, and which
   `generation.num_generations` to use; it says plainly when the env gives no signal at all;
+- what training can reach: pass@k (the share of prompts solved at least once in k samples) and the
+  expected best-of-k reward, for k up to max(`check.num_generations`);
 - reward-exploit probes (`check.probes`): degenerate completions (empty, whitespace, the prompt echoed, the
   answer tag with a random value, a long repetition, the first half of a good completion) scored through
   the env and every reward component; a warning when one earns more than the base model's mean, and when
@@ -135,6 +137,20 @@ def flat_share(scores: list[float], size: int) -> float:
     return sum(math.comb(c, size) for c in counts.values()) / math.comb(len(scores), size)
 
 
+def pass_at_k(scores: list[float], k: int, full: float = 1.0) -> float:
+    """The chance that at least one of `k` completions drawn (without replacement) from this group earns a
+    full score (>= `full`): the unbiased pass@k estimator of Chen et al. 2021 (arXiv:2107.03374)."""
+    n, wrong = len(scores), sum(s < full for s in scores)
+    return 1.0 if wrong < k else 1.0 - math.comb(wrong, k) / math.comb(n, k)
+
+
+def best_of_k(scores: list[float], k: int) -> float:
+    """The expected best score of `k` completions drawn (without replacement) from this group: the i-th
+    smallest of n is the best of k with chance C(i-1, k-1) / C(n, k)."""
+    ranked = sorted(scores)
+    return sum(s * math.comb(i, k - 1) for i, s in enumerate(ranked)) / math.comb(len(ranked), k)
+
+
 def _learnability(r: Report, groups: list[list], sizes: list[int], training_size: int) -> None:
     """Per group size: the expected share of flat groups and the mean within-group std; a recommendation."""
     complete = [g for g in groups if None not in g]  # a failed episode has no score: its group is left out
@@ -147,6 +163,7 @@ def _learnability(r: Report, groups: list[list], sizes: list[int], training_size
         flat[n] = statistics.fmean(flat_share(g, n) for g in complete)
         r.lines.append(f"    num_generations={n}: flat groups {flat[n]:.0%}")
     r.lines.append(f"    mean within-group std: {statistics.fmean(statistics.pstdev(g) for g in complete):.3f}")
+    _reach(r, complete)
     if all(max(g) == min(g) for g in complete) and len({g[0] for g in complete}) == 1:
         r.warnings.append(f"the env gives no signal: every sampled completion scored {complete[0][0]:g}, so every "
                           "group is flat at any group size. Add partial credit or a worked example, or make the "
@@ -162,6 +179,23 @@ def _learnability(r: Report, groups: list[list], sizes: list[int], training_size
     elif training_size in flat and flat[training_size] > 0.5:
         r.warnings.append(f"at the configured generation.num_generations={training_size}, {flat[training_size]:.0%} of "
                           f"groups are flat: use {pick} or grade more finely.")
+
+
+def _reach(r: Report, complete: list[list]) -> None:
+    """What training can be expected to reach: GRPO mostly sharpens what the model already samples, so the
+    share of prompts solved at least once in k samples (pass@k) bounds what a run makes the greedy answer."""
+    ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= len(complete[0])]
+    passes = {k: statistics.fmean(pass_at_k(g, k) for g in complete) for k in ks}
+    best = {k: statistics.fmean(best_of_k(g, k) for g in complete) for k in ks}
+    r.lines.append("what training can reach (GRPO sharpens what the model already samples; a trained run's greedy "
+                   "success rate is typically near pass@k for k of 8-32, rarely above it):")
+    r.lines.append("    " + ", ".join(f"pass@{k} {passes[k]:.2f}" for k in ks) + " (a full score, 1.0)")
+    r.lines.append("    " + ", ".join(f"best of {k} {best[k]:.3f}" for k in ks) + " (mean reward)")
+    k = ks[-1]
+    if passes[k] == 0.0:
+        r.warnings.append(f"no sampled completion earned a full score (pass@{k} 0.00): training has no full-score "
+                          "example to learn from. Ease the task, add a worked example, or give partial credit "
+                          "that points to it.")
 
 
 class Scorer:
