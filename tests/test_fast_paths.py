@@ -154,6 +154,33 @@ def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
         assert torch.allclose(ours[3][name], grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_the_kl_reference_through_the_shared_prefix_is_the_model_without_its_adapter():
+    """loss.kl_coef > 0 with LoRA: TRL computes the reference log-probs with the adapter switched off (trl.models
+    use_adapter); the shared-prefix path recomputes the prefix's KV cache inside that context, so no adapter
+    leaks into the reference."""
+    from trl.trainer.utils import use_adapter
+
+    tokenizer = build_tiny_tokenizer()
+    model = _lora_model(tokenizer)  # init_lora_weights=False: the adapter changes the log-probs
+    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
+    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
+    keep = mask[:, -length:].bool()
+
+    def logps():
+        with torch.no_grad():
+            return per_token_logps(model, ids, mask, length, prefix, False, 3, contextlib.nullcontext)[0][keep]
+
+    policy = logps()
+    with use_adapter(model, adapter_name=None):
+        reference = logps()
+    with model.disable_adapter(), torch.no_grad():  # the base model's own forward, no shared prefix
+        labels = ids.masked_fill(mask == 0, -100)
+        base = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -length:][keep]
+    assert torch.allclose(reference, base, atol=1e-5)
+    assert (policy - base).abs().max() > 1e-2  # the adapter does change them: the check above can fail
+    assert torch.allclose(logps(), policy)  # and the adapter is back on afterwards
+
+
 def test_shared_prefix_loss_runs_only_where_it_is_exact():
     """Its boolean 4D mask means "may attend" to sdpa only (eager attention adds it: nothing masked), it assumes
     rotary positions and no sliding window, and one prefix pass shares one dropout mask across the rows."""
