@@ -165,3 +165,15 @@ def test_the_doctor_says_what_training_can_reach():
     never = Report()
     _learnability(never, [[0.2, 0.5, 0.0, 0.2], [0.2, 0.2, 0.0, 0.5]], [2, 4], training_size=4)
     assert any(w.startswith("no sampled completion earned a full score (pass@4 0.00)") for w in never.warnings)
+
+
+def test_the_doctor_samples_the_same_completions_whatever_the_rng_held(compose_cfg, planted):
+    import torch
+
+    def report_lines():
+        torch.manual_seed(int(torch.randint(0, 10**6, ()).item()) + 1)  # a different global RNG state each time
+        text = _doctor(compose_cfg, planted, "Graded").text()
+        timed = ("generated ", "slowest episodes")  # wall-clock figures and the order they put episodes in
+        return [line for line in text.splitlines() if not line.startswith(timed)]
+
+    assert report_lines() == report_lines()

@@ -48,6 +48,8 @@ class Report:
 
 
 def run_check(cfg: DictConfig) -> Report:
+    from transformers import set_seed
+
     from grpo_pipeline.config.validate import check_config
     from grpo_pipeline.envs.loader import get_tool_schemas
     from grpo_pipeline.evaluation import generate
@@ -84,6 +86,7 @@ def run_check(cfg: DictConfig) -> Report:
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
     rollout = make_rollout(cfg, env, tokenizer, runner, [])
     rollout = rollout if rollout is not None and rollout.multi_turn else None  # single turns: as TRL samples
+    set_seed(cfg.seed)  # the same config samples the same completions: a report can be reproduced
     started = time.monotonic()
     failures = [None] * len(prompts)
     if rollout is None:
