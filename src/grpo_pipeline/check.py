@@ -196,9 +196,9 @@ def _reach(r: Report, complete: list[list]) -> None:
     r.lines.append("    " + ", ".join(f"best of {k} {best[k]:.3f}" for k in ks) + " (mean reward)")
     k = ks[-1]
     if passes[k] == 0.0:
-        r.warnings.append(f"no sampled completion earned a full score (pass@{k} 0.00): training has no full-score "
-                          "example to learn from. Ease the task, add a worked example, or give partial credit "
-                          "that points to it.")
+        r.warnings.append(f"no sampled completion earned a full score (pass@{k} 0.00): training can only climb on "
+                          "partial credit until it samples one (easy hotel took 16 steps). Ease the task, add a "
+                          "worked example, or give partial credit that points to a full score.")
 
 
 class Scorer:
