@@ -29,10 +29,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     from grpo_pipeline.api import compose_config
-    from grpo_pipeline.check import pass_at_k
+    from grpo_pipeline.check import PASS_KS, pass_at_k
     from grpo_pipeline.evaluation import generate, split_heldout
     from grpo_pipeline.models import load_model
-    from grpo_pipeline.recipe import load_env_and_dataset
+    from grpo_pipeline.recipe import load_env_and_dataset, sampling
     from grpo_pipeline.runtime.episodes import EpisodeRunner
 
     cfg = compose_config(args.overrides)
@@ -45,21 +45,21 @@ def main() -> None:
         model = PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
     model = model.to(torch.bfloat16)
     gen = cfg.generation
-    sampling = {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
+    sample = sampling(gen)
     extra = [c for c in dataset.column_names if c != "prompt"]
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sampling)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sample)
     runner.bind(model)
     k = args.samples
     prompts = [p for p in test["prompt"] for _ in range(k)]
     rows = [{c: test[i][c] for c in extra} for i in range(len(test)) for _ in range(k)]
     started = time.monotonic()
-    completions = generate(model, tokenizer, prompts, gen.max_new_tokens, args.batch, sampling)
+    completions = generate(model, tokenizer, prompts, gen.max_new_tokens, args.batch, sample)
     scores, _ = runner.score(completions, rows)
     groups = [scores[i : i + k] for i in range(0, len(scores), k)]
     print(f"{len(groups)} test prompts x {k} samples ({args.adapter or 'base model'}), temperature {gen.temperature}, "
           f"{time.monotonic() - started:.0f} s")
     print(", ".join(f"pass@{n} {statistics.fmean(pass_at_k(g, n) for g in groups):.3f}"
-                    for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= k))
+                    for n in PASS_KS if n <= k))
     print("full scores per prompt:", sorted(sum(s >= 1.0 for s in g) for g in groups))
 
 
