@@ -1,5 +1,7 @@
 """Our user-facing names reach TRL's GRPOConfig in one place."""
 
+import torch
+
 from grpo_pipeline.config.grpo_args import build_grpo_config, grpo_kwargs
 
 
@@ -25,13 +27,24 @@ def test_user_names_map_onto_trl(compose_cfg, tmp_path):
     assert args.use_cpu is True and args.report_to == []
 
 
-def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path):
+def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.runtime.vllm_backend import weight_sync
+
     cfg = compose_cfg(["vllm=server", "vllm.server_port=8123", f"output_dir={tmp_path}"])
     kw = grpo_kwargs(cfg, str(tmp_path))
     assert kw["use_vllm"] is True and kw["vllm_mode"] == "server" and kw["vllm_server_port"] == 8123
-    cfg = compose_cfg(["vllm=colocate", "lora=off", "vllm.gpu_memory_utilization=0.5", f"output_dir={tmp_path}"])
-    kw = grpo_kwargs(cfg, str(tmp_path))  # full fine-tuning: TRL's vLLM (it pushes the weights)
+    full = compose_cfg(["vllm=colocate", "lora=off", "vllm.gpu_memory_utilization=0.5", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # full fine-tuning on a CPU: the runtime's engine, the weights loaded in place (TRL's push fails there)
+    assert grpo_kwargs(full, str(tmp_path))["use_vllm"] is False and weight_sync(full) == "weights"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kw = grpo_kwargs(full, str(tmp_path))  # full fine-tuning on GPUs: TRL's vLLM (it pushes the weights)
     assert kw["use_vllm"] is True and kw["vllm_mode"] == "colocate" and kw["vllm_gpu_memory_utilization"] == 0.5
+    lora = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])
+    assert weight_sync(lora) == "adapter"  # LoRA on GPUs: vLLM's multi-LoRA kernels
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert weight_sync(lora) == "weights"  # on a CPU: merged weights (README "Measured")
+    assert weight_sync(compose_cfg(["vllm=colocate", "vllm.weight_sync=adapter", f"output_dir={tmp_path}"])) == "adapter"
     cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])  # LoRA: the runtime's own vLLM engine
     assert grpo_kwargs(cfg, str(tmp_path))["use_vllm"] is False
     # an env with get_tool_functions: TRL's tool loop generates, so TRL's vLLM (on GPUs), never silently HF

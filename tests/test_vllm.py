@@ -1,9 +1,10 @@
 """vLLM for real (the CPU build, `make test-vllm`): the runtime's rollouts through an in-process vLLM engine.
 
-Skipped where vLLM is not installed (the base install). With it: vLLM samples the tokens the trainer's own
-model would score the same (log-probs agree), the adapter reaches vLLM before every rollout (a stale copy
-fails the test), and a two-step training run samples every episode through vLLM with TRL's
-importance-sampling metrics logged.
+Skipped where vLLM is not installed (the base install). With it, for both ways the policy reaches vLLM
+(`vllm.weight_sync`: its weights loaded in place, or its adapter as a LoRARequest): vLLM samples the tokens the
+trainer's own model would score the same (log-probs agree), the policy reaches vLLM before every rollout (a stale
+copy fails the test, a stale prefix cache too), and two-step training runs (LoRA, and full fine-tuning) sample
+every episode through vLLM with TRL's importance-sampling metrics logged.
 """
 
 import json
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.vllm
 SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["weights", "adapter"])
+def engine(request):
     from peft import LoraConfig, get_peft_model
 
     from grpo_pipeline.runtime.vllm_backend import VllmBackend
@@ -38,8 +39,8 @@ def engine():
     policy = get_peft_model(load_model(cfg.model, tokenizer),
                             LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM",
                                        init_lora_weights=False, lora_dropout=0.0)).eval()
-    backend = VllmBackend(model_dir(cfg.model), dtype="float32", max_model_len=512, lora_rank=16,
-                          gpu_memory_utilization=0.3, seed=0)
+    backend = VllmBackend(model_dir(cfg.model), dtype="float32", max_model_len=512, sync=request.param,
+                          lora_rank=16, gpu_memory_utilization=0.3, seed=0)
     dataset = ArithmeticEnv(num_samples=8).build_dataset(tokenizer)
     prompts = [tokenizer.apply_chat_template(dataset[i]["prompt"], tokenize=False, add_generation_prompt=True)
                for i in range(4)]
@@ -69,7 +70,7 @@ def test_vllm_samples_what_the_policy_scores(engine):
             assert out[0, len(seq):].tolist()[:len(new)] == new
 
 
-def test_the_adapter_reaches_vllm_before_every_rollout(engine):
+def test_the_policy_reaches_vllm_before_every_rollout(engine):
     backend, policy, tokenizer, seqs = engine
     backend.sync(policy)
     ids, before = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
@@ -78,20 +79,51 @@ def test_the_adapter_reaches_vllm_before_every_rollout(engine):
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.05)
     _, stale = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
-    assert stale == before  # without a sync vLLM still has the old adapter: this is what a stale copy looks like
+    assert stale == before  # without a sync vLLM still has the old policy: this is what a stale copy looks like
     version = backend.version
     backend.sync(policy)
     assert backend.version == version + 1
+    # the same prompt again: its prefix's keys and values, cached by vLLM under the old weights, must not be reused
     new_ids, after = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
     expected = _teacher_forced(policy, seqs[0], new_ids[0])
     assert torch.allclose(expected, torch.tensor(after[0]), atol=2e-3)
     assert new_ids != ids or not torch.allclose(torch.tensor(after[0]), torch.tensor(before[0]), atol=1e-3)
 
 
-def test_two_training_steps_sample_through_vllm(tmp_path):
+def test_full_fine_tuning_weights_reach_vllm(engine):
+    """Without LoRA every weight trains: weight_sync=weights pushes all of them (norms and embeddings included)."""
+    import copy
+
+    backend, policy, tokenizer, seqs = engine
+    if backend.sync_mode != "weights":
+        pytest.skip("full weights reach vLLM through vllm.weight_sync=weights")
+    plain = copy.deepcopy(policy).merge_and_unload()  # no adapter: a fully fine-tuned model
+    backend.sync(plain)
+    ids, before = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id])
+    # weights no LoRA layer holds: the norms, and the embedding (tied to the LM head, which vLLM packs apart)
+    changed = {name: p for name, p in plain.named_parameters() if "norm" in name or "embed" in name}
+    saved = {name: p.detach().clone() for name, p in changed.items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in changed.items():
+            p.copy_(p * 1.1 if "norm" in name else p + 0.02 * torch.randn_like(p))
+    backend.sync(plain)
+    new_ids, after = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id])
+    assert torch.allclose(_teacher_forced(plain, seqs[0], new_ids[0]), torch.tensor(after[0]), atol=2e-3)
+    assert new_ids != ids or not torch.allclose(torch.tensor(after[0]), torch.tensor(before[0]), atol=1e-3)
+    with torch.no_grad():  # the engine back to the fixture's policy for the tests after this one
+        for name, p in changed.items():
+            p.copy_(saved[name])
+    backend.sync(plain)
+    backend.sync(policy)
+
+
+@pytest.mark.parametrize("policy", ["lora", "full"])
+def test_two_training_steps_sample_through_vllm(tmp_path, policy):
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("model=")]
     cfg = compose_config([*overrides, "vllm=colocate", "vllm.max_model_len=512", "generation.max_new_tokens=8",
-                          "eval.enabled=true", "eval.num_prompts=5", "eval.every_steps=0"])
+                          "eval.enabled=true", "eval.num_prompts=5", "eval.every_steps=0",
+                          *(["lora=off", "training.learning_rate=1e-5"] if policy == "full" else [])])
     made = []
     real_mkdtemp = tempfile.mkdtemp
 
@@ -103,7 +135,7 @@ def test_two_training_steps_sample_through_vllm(tmp_path):
         result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 2 and result.eval_before["num_prompts"] == 5
     adapters = [d for d in made if "grpo_vllm_lora_" in d]
-    assert len(adapters) == 1 and not os.path.exists(adapters[0])  # the adapters handed to vLLM are cleaned up
+    assert all(not os.path.exists(d) for d in adapters)  # adapters handed to vLLM (weight_sync=adapter) are removed
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -89,6 +89,9 @@ class VllmConfig:
     server_gpus: int = 1
     # Longest sequence (prompt + completion, every turn) the runtime's colocated vLLM engine holds.
     max_model_len: int = 2048
+    # How the runtime's colocated engine gets the policy before each rollout: weights (loaded in place, LoRA
+    # merged) | adapter (LoRA only: a LoRARequest). null: adapter for LoRA on GPUs, weights otherwise.
+    weight_sync: str | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from grpo_pipeline.errors import ConfigError
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
 VLLM_MODES = ("off", "colocate", "server")
+WEIGHT_SYNCS = ("weights", "adapter")  # vllm.weight_sync
 MODEL_SOURCES = ("tiny", "hub", "gguf")
 ON_ERROR = ("raise", "zero")
 GENERATION_DTYPES = ("float32", "bfloat16", "float16")
@@ -135,13 +136,15 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
     if vllm.mode == "server" and not gpu:
         p.append("vllm=server needs GPUs: TRL's vLLM server takes the trainer's weights over NCCL, which needs CUDA. "
                  "On a CPU use vllm=colocate (with LoRA), or vllm=off.")
-    if vllm.mode == "colocate" and not gpu and not cfg.lora.enabled:
-        p.append("vllm=colocate on a CPU needs LoRA (lora=default): the policy reaches vLLM as a LoRA adapter; the "
-                 "CPU build of vLLM cannot take pushed full weights ('Parameter' object has no attribute "
-                 "'weight_loader' in vLLM's linear.py). Use lora=default, or vllm=off.")
-    if vllm.mode == "colocate" and cfg.lora.enabled and world > 1:
-        p.append(f"vllm=colocate with LoRA runs vLLM inside the one training process; {world} processes were "
-                 "started. Use one process, or vllm=server.")
+    in_runtime = vllm.mode == "colocate" and (cfg.lora.enabled or not gpu)  # runtime/vllm_backend.vllm_in_runtime
+    if in_runtime and world > 1:
+        p.append(f"vllm=colocate {'with LoRA' if gpu else 'on a CPU'} runs vLLM inside the one training process; "
+                 f"{world} processes were started. Use one process, or vllm=server.")
+    if vllm.weight_sync not in (None, *WEIGHT_SYNCS):
+        p.append(f"vllm.weight_sync={vllm.weight_sync!r}: use one of {WEIGHT_SYNCS}, or null.")
+    elif vllm.weight_sync == "adapter" and not cfg.lora.enabled:
+        p.append("vllm.weight_sync=adapter hands vLLM a LoRA adapter, and lora=off trains none: use "
+                 "vllm.weight_sync=weights (or null), or lora=default.")
     if vllm.mode == "colocate" and cfg.model.source == "tiny":
         p.append("vllm=colocate with model=tiny: vLLM loads a model folder, and the tiny model is built in code. "
                  "Use model=smollm2_135m (or a hub model), or vllm=off.")

