@@ -1,6 +1,8 @@
 """HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side.
 
-Runs in the CPU vLLM venv (`make install-vllm`), on the default model (SmolLM2-135M + the default LoRA):
+vLLM gets the policy both ways `vllm.weight_sync` offers: its weights (LoRA merged) loaded in place before each
+rollout (`weights`), or the adapter as a LoRARequest (`adapter`). Runs in the CPU vLLM venv
+(`make install-vllm`), on the default model (SmolLM2-135M + the default LoRA):
 
   rollout, single-turn   one step's completions of env=arithmetic (B prompts' groups of 4, 32 new tokens)
   rollout, 3-turn        8 episodes of env=hotel (up to 3 assistant turns of 64 tokens, the env's replies)
@@ -9,7 +11,7 @@ Runs in the CPU vLLM venv (`make install-vllm`), on the default model (SmolLM2-1
                          steps after the first (the first warms vLLM up)
 
 Same prompts, same sampling (temperature 1, no top-k/top-p). Each rollout figure is the median of --repeats
-after a warm-up; the two backends alternate.
+after a warm-up, the weight push included; the backends alternate.
 
     make install-vllm && .venv-vllm/bin/python scripts/bench_rollouts.py
 """
@@ -38,18 +40,30 @@ def main() -> None:
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M + LoRA r=16")
-    print(f"{'part':<34} | {'HF decode':>10} | {'vLLM':>10} | HF / vLLM")
+    print(f"{'part':<34} | {'HF decode':>10} | {'vLLM weights':>12} | {'vLLM adapter':>12} | HF / vLLM (weights, "
+          "adapter)")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
                              ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
-        hf, vllm = _rollouts(env, batch, args.repeats)
-        print(f"{name:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
+        _row(name, _rollouts(env, batch, args.repeats))
     if args.steps > 1:
         for env in args.step_envs:
-            hf, vllm = (_step_time(env, mode, args.steps) for mode in ("off", "colocate"))
-            print(f"{'whole step, ' + env:<34} | {hf:>9.2f}s | {vllm:>9.2f}s | {hf / vllm:.2f}x")
+            _row(f"whole step, {env}", [_step_time(env, mode, args.steps) for mode in MODES])
 
 
-def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
+MODES = ("off", "weights", "adapter")  # vllm=off (HF decode loop), vllm=colocate with each vllm.weight_sync
+
+
+def _overrides(mode: str) -> list[str]:
+    return ["vllm=off"] if mode == "off" else ["vllm=colocate", f"vllm.weight_sync={mode}"]
+
+
+def _row(name: str, seconds: list[float]) -> None:
+    hf, weights, adapter = seconds
+    print(f"{name:<34} | {hf:>9.2f}s | {weights:>11.2f}s | {adapter:>11.2f}s | {hf / weights:.2f}x, "
+          f"{hf / adapter:.2f}x", flush=True)
+
+
+def _rollouts(env_name: str, batch: int, repeats: int) -> list[float]:
     from grpo_pipeline.api import compose_config
     from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
@@ -57,8 +71,8 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
     from grpo_pipeline.runtime.rollout import make_rollout
 
     runs = {}
-    for mode in ("off", "colocate"):
-        cfg = compose_config([f"env={env_name}", f"vllm={mode}", "vllm.max_model_len=2048"])
+    for mode in MODES:
+        cfg = compose_config([f"env={env_name}", *_overrides(mode), "vllm.max_model_len=2048"])
         env, tokenizer, dataset, tools = load_env_and_dataset(cfg, render_tools=False)
         columns = [c for c in dataset.column_names if c != "prompt"]
         runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation),
@@ -72,8 +86,8 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
     policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
         r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets, lora_dropout=cfg.lora.dropout,
         task_type="CAUSAL_LM"))
-    runs["off"][0].runner.bind(policy)
-    runs["colocate"][0].runner.bind(policy)
+    for rollout, _ in runs.values():
+        rollout.runner.bind(policy)
     prompts = [dataset[i // 4]["prompt"] for i in range(batch)]
     rows = [{c: dataset[i // 4][c] for c in columns} for i in range(batch)]
     sample = sampling(cfg.generation)
@@ -83,13 +97,15 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> tuple[float, float]:
         runs[mode][0].run(policy, prompts, rows, sample)
         return time.perf_counter() - started
 
-    timed("off"), timed("colocate")  # warm-up (vLLM's first call is several times slower)
-    times = {"off": [], "colocate": []}
+    times = {mode: [] for mode in MODES}
+    for mode in MODES:
+        timed(mode)  # warm-up (vLLM's first call is several times slower)
     for _ in range(repeats):
-        for mode in times:
+        for mode in MODES:
             times[mode].append(timed(mode))
-    runs["colocate"][0].vllm.close()
-    return statistics.median(times["off"]), statistics.median(times["colocate"])
+    for rollout, _ in runs.values():
+        rollout.close()
+    return [statistics.median(times[mode]) for mode in MODES]
 
 
 def _step_time(env_name: str, mode: str, steps: int) -> float:
@@ -100,7 +116,7 @@ def _step_time(env_name: str, mode: str, steps: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{tmp}/mlflow.db"
         shape = ["training.batch_size=8", "generation.oversample=1"] if env_name == "hotel" else []  # 8 episodes
-        cfg = compose_config([f"env={env_name}", f"vllm={mode}", f"training.max_steps={steps}", "eval.enabled=false",
+        cfg = compose_config([f"env={env_name}", *_overrides(mode), f"training.max_steps={steps}", "eval.enabled=false",
                               f"output_dir={tmp}/run", f"tracking.tracking_uri={db}", "ledger.enabled=false", *shape])
         result = train(cfg, launch_dir=tmp)
         values = metric_history(db, result.mlflow_run_id, "step_time")[1:]

@@ -83,6 +83,7 @@ def test_unknown_group_option_fails(compose_cfg):
         (["runtime.on_error=ignore"], "runtime.on_error='ignore'"),
         (["vllm=colocate", "lora=off", "vllm.weight_sync=adapter"], "vllm.weight_sync=adapter hands vLLM a LoRA"),
         (["vllm=colocate", "vllm.weight_sync=merged"], "vllm.weight_sync='merged': use one of"),
+        (["vllm.weight_sync=weights"], "vllm.weight_sync=weights with vllm=off"),
         (["vllm=server"], "vllm=server needs GPUs"),
         (["vllm=colocate", "model=tiny"], "the tiny model is built in code"),
         (["vllm=colocate", "vllm.max_model_len=8"], "vllm.max_model_len=8"),

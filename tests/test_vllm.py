@@ -70,24 +70,64 @@ def test_vllm_samples_what_the_policy_scores(engine):
             assert out[0, len(seq):].tolist()[:len(new)] == new
 
 
-def test_the_policy_reaches_vllm_before_every_rollout(engine):
-    backend, policy, tokenizer, seqs = engine
-    backend.sync(policy)
-    ids, before = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
-    with torch.no_grad():  # an update of the adapter
+def _long_prompt(tokenizer) -> list[int]:
+    """A prompt of over 256 tokens: vLLM caches prefixes in whole blocks (128 tokens on a CPU)."""
+    prompt = ArithmeticEnv(num_samples=1, num_shot=5).build_dataset(tokenizer)[0]["prompt"]
+    ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                    add_special_tokens=False)["input_ids"]
+    assert 256 < len(ids) < 400  # the engine holds 512
+    return ids
+
+
+def _cached_tokens(backend, seq) -> int:
+    from vllm import SamplingParams, TokensPrompt
+
+    out = backend.llm.generate([TokensPrompt(prompt_token_ids=seq)], SamplingParams(max_tokens=1), use_tqdm=False,
+                               lora_request=backend._lora)
+    return out[0].num_cached_tokens
+
+
+def _update_adapter(policy):
+    with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.05)
-    _, stale = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
+
+
+def test_the_policy_reaches_vllm_before_every_rollout(engine):
+    backend, policy, tokenizer, _ = engine
+    seq = _long_prompt(tokenizer)
+    greedy = {"do_sample": False}
+    backend.sync(policy)
+    ids, before = backend.generate([seq], 6, greedy, [tokenizer.eos_token_id])
+    assert _cached_tokens(backend, seq) >= 128  # the prompt's prefix is in vLLM's prefix cache
+    _update_adapter(policy)
+    _, stale = backend.generate([seq], 6, greedy, [tokenizer.eos_token_id])
     assert stale == before  # without a sync vLLM still has the old policy: this is what a stale copy looks like
     version = backend.version
     backend.sync(policy)
     assert backend.version == version + 1
-    # the same prompt again: its prefix's keys and values, cached by vLLM under the old weights, must not be reused
-    new_ids, after = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id], with_logprobs=True)
-    expected = _teacher_forced(policy, seqs[0], new_ids[0])
-    assert torch.allclose(expected, torch.tensor(after[0]), atol=2e-3)
+    # the same prompt again: its prefix's keys and values, cached under the old policy, must not be reused
+    new_ids, after = backend.generate([seq], 6, greedy, [tokenizer.eos_token_id])
+    assert torch.allclose(_teacher_forced(policy, seq, new_ids[0]), torch.tensor(after[0]), atol=2e-3)
     assert new_ids != ids or not torch.allclose(torch.tensor(after[0]), torch.tensor(before[0]), atol=1e-3)
+    if backend.sync_mode == "weights":  # the control: the same push without the cache reset serves a stale prefix
+        _update_adapter(policy)
+        with mock.patch.object(backend.llm, "reset_prefix_cache", return_value=True):
+            backend.sync(policy)
+        served, logps = backend.generate([seq], 6, greedy, [tokenizer.eos_token_id])
+        assert not torch.allclose(_teacher_forced(policy, seq, served[0]), torch.tensor(logps[0]), atol=2e-3)
+        backend.sync(policy)
+
+
+def test_a_kept_prefix_cache_stops_the_run(engine):
+    backend, policy, _, _ = engine
+    if backend.sync_mode != "weights":
+        pytest.skip("an adapter gets a new LoRA id, under which nothing is cached")
+    with mock.patch.object(backend.llm, "reset_prefix_cache", return_value=False), \
+            pytest.raises(RuntimeError, match="kept its prefix cache"):
+        backend.sync(policy)
+    backend.sync(policy)
 
 
 def test_full_fine_tuning_weights_reach_vllm(engine):
@@ -104,25 +144,27 @@ def test_full_fine_tuning_weights_reach_vllm(engine):
     changed = {name: p for name, p in plain.named_parameters() if "norm" in name or "embed" in name}
     saved = {name: p.detach().clone() for name, p in changed.items()}
     torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in changed.items():
-            p.copy_(p * 1.1 if "norm" in name else p + 0.02 * torch.randn_like(p))
-    backend.sync(plain)
-    new_ids, after = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id])
-    assert torch.allclose(_teacher_forced(plain, seqs[0], new_ids[0]), torch.tensor(after[0]), atol=2e-3)
-    assert new_ids != ids or not torch.allclose(torch.tensor(after[0]), torch.tensor(before[0]), atol=1e-3)
-    with torch.no_grad():  # the engine back to the fixture's policy for the tests after this one
-        for name, p in changed.items():
-            p.copy_(saved[name])
-    backend.sync(plain)
-    backend.sync(policy)
+    try:
+        with torch.no_grad():
+            for name, p in changed.items():
+                p.copy_(p * 1.1 if "norm" in name else p + 0.02 * torch.randn_like(p))
+        backend.sync(plain)
+        new_ids, after = backend.generate(seqs[:1], 6, {"do_sample": False}, [tokenizer.eos_token_id])
+        assert torch.allclose(_teacher_forced(plain, seqs[0], new_ids[0]), torch.tensor(after[0]), atol=2e-3)
+        assert new_ids != ids or not torch.allclose(torch.tensor(after[0]), torch.tensor(before[0]), atol=1e-3)
+    finally:  # the engine back to the fixture's policy for the tests after this one
+        with torch.no_grad():
+            for name, p in changed.items():
+                p.copy_(saved[name])
+        backend.sync(plain)
+        backend.sync(policy)
 
 
-@pytest.mark.parametrize("policy", ["lora", "full"])
-def test_two_training_steps_sample_through_vllm(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "sync"), [("lora", "weights"), ("lora", "adapter"), ("full", "weights")])
+def test_two_training_steps_sample_through_vllm(tmp_path, policy, sync):
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("model=")]
     cfg = compose_config([*overrides, "vllm=colocate", "vllm.max_model_len=512", "generation.max_new_tokens=8",
-                          "eval.enabled=true", "eval.num_prompts=5", "eval.every_steps=0",
+                          "eval.enabled=true", "eval.num_prompts=5", "eval.every_steps=0", f"vllm.weight_sync={sync}",
                           *(["lora=off", "training.learning_rate=1e-5"] if policy == "full" else [])])
     made = []
     real_mkdtemp = tempfile.mkdtemp
@@ -135,7 +177,8 @@ def test_two_training_steps_sample_through_vllm(tmp_path, policy):
         result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 2 and result.eval_before["num_prompts"] == 5
     adapters = [d for d in made if "grpo_vllm_lora_" in d]
-    assert all(not os.path.exists(d) for d in adapters)  # adapters handed to vLLM (weight_sync=adapter) are removed
+    assert len(adapters) == (sync == "adapter")  # the adapters handed to vLLM, in one temp dir ...
+    assert all(not os.path.exists(d) for d in adapters)  # ... removed at the end
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

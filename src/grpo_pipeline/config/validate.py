@@ -125,7 +125,9 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
     if vllm.mode not in VLLM_MODES:
         return [f"vllm.mode={vllm.mode!r}: use one of {VLLM_MODES}."]
     if vllm.mode == "off":
-        return []
+        return [] if vllm.weight_sync is None else [
+            f"vllm.weight_sync={vllm.weight_sync} with vllm=off: it says how vLLM gets the policy, and no vLLM runs. "
+            "Use vllm=colocate, or drop vllm.weight_sync."]
     import torch  # here, not at the top: a config error must print before torch loads
 
     p = []
@@ -135,13 +137,19 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
                  "build into .venv-vllm (run from there); on GPUs pip install '.[vllm]'.")
     if vllm.mode == "server" and not gpu:
         p.append("vllm=server needs GPUs: TRL's vLLM server takes the trainer's weights over NCCL, which needs CUDA. "
-                 "On a CPU use vllm=colocate (with LoRA), or vllm=off.")
-    in_runtime = vllm.mode == "colocate" and (cfg.lora.enabled or not gpu)  # runtime/vllm_backend.vllm_in_runtime
+                 "On a CPU use vllm=colocate, or vllm=off.")
+    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
+
+    in_runtime = vllm_in_runtime(cfg)
     if in_runtime and world > 1:
         p.append(f"vllm=colocate {'with LoRA' if gpu else 'on a CPU'} runs vLLM inside the one training process; "
                  f"{world} processes were started. Use one process, or vllm=server.")
     if vllm.weight_sync not in (None, *WEIGHT_SYNCS):
         p.append(f"vllm.weight_sync={vllm.weight_sync!r}: use one of {WEIGHT_SYNCS}, or null.")
+    elif vllm.weight_sync is not None and not in_runtime:
+        p.append(f"vllm.weight_sync={vllm.weight_sync} is for the runtime's colocated engine (vllm=colocate with LoRA, "
+                 f"or any vllm=colocate on a CPU); vllm={vllm.mode}{' with lora=off on GPUs' if vllm.mode == 'colocate' else ''} "
+                 "goes through TRL's vLLM, which pushes the weights itself: drop vllm.weight_sync.")
     elif vllm.weight_sync == "adapter" and not cfg.lora.enabled:
         p.append("vllm.weight_sync=adapter hands vLLM a LoRA adapter, and lora=off trains none: use "
                  "vllm.weight_sync=weights (or null), or lora=default.")

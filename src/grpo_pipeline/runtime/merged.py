@@ -56,12 +56,6 @@ class MergedCopy:
                     mine.copy_(theirs)
         return self._copy
 
-    def adapted_modules(self, policy) -> list[str] | None:
-        """The names (in the copy) of the layers LoRA adapts, the only ones whose weights change; None without
-        LoRA (every weight trains)."""
-        layers = _lora_layers(policy)
-        return [name.removeprefix(_PEFT_PREFIX) for name in layers] if layers else None
-
     def _build(self, policy, layers: dict[str, torch.nn.Module]) -> None:
         merged = copy.deepcopy(policy)
         if layers:

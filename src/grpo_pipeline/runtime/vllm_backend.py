@@ -9,8 +9,8 @@ How the policy reaches vLLM before every rollout (`vllm.weight_sync`), so vLLM n
 - `weights`: the policy's weights (LoRA merged into them, W + BA, from the runtime's merged copy) are loaded into
   the engine in place through vLLM's own `reload_weights` (the layer-wise reload that re-runs each layer's
   post-load processing: on a CPU, the oneDNN packing of every linear layer), then its prefix cache is reset (its
-  keys and values came from the old weights). Only the layers an adapter changes are pushed (every sibling a
-  fused vLLM layer needs: q/k/v, gate/up). Decoding then costs what the base model costs. Works for full
+  keys and values came from the old weights). Every weight is pushed, so no fused vLLM layer (qkv_proj,
+  gate_up_proj) is ever loaded in part. Decoding then costs what the base model costs. Works for full
   fine-tuning too. (TRL's colocate sync, `model.load_weights` on the packed model, fails on the CPU build:
   `'Parameter' object has no attribute 'weight_loader'`: vLLM's CPU linear layers drop their weights after
   packing them, which `reload_weights` restores first.)
@@ -58,7 +58,8 @@ class VllmBackend:
         from grpo_pipeline.runtime.merged import MergedCopy
 
         threads = torch.get_num_threads()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no IPC per step
+        # the engine in this process: no IPC per step, and the weight push hands it tensors, not copies
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU (default 4)
         # vLLM would pin this process's threads to cores and drop torch to 1 thread "for serving": the trainer
         # shares the process and needs its threads
@@ -71,6 +72,9 @@ class VllmBackend:
                               "in .venv-vllm); on GPUs: pip install '.[vllm]'.") from e
         if sync not in WEIGHT_SYNCS or (sync == "adapter" and not lora_rank):
             raise ConfigError(f"vllm.weight_sync={sync!r}: use one of {WEIGHT_SYNCS} ('adapter' needs LoRA).")
+        if sync == "weights" and not _reloads_in_place():
+            raise ConfigError("vllm.weight_sync=weights needs vLLM's in-place reload_weights(weights_iterator=...), "
+                              "which this vLLM lacks: upgrade vLLM, or use vllm.weight_sync=adapter with LoRA.")
         kwargs = {}
         if sync == "adapter":
             kwargs |= {"enable_lora": True, "max_lora_rank": _vllm_rank(lora_rank), "max_loras": 1}
@@ -100,29 +104,15 @@ class VllmBackend:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def _load_weights(self, policy) -> None:
-        import logging
-
+        # every weight, as a checkpoint names them: a fused vLLM layer (qkv_proj, gate_up_proj) is rebuilt only once
+        # all its parts arrived, and a tied LM head, which vLLM packs apart from the embedding, only when its own name
+        # (lm_head.weight, which the state dict lists beside embed_tokens.weight) arrives
         plain = self._merged.of(policy)
-        changed = self._merged.adapted_modules(policy)  # None: every weight trains
-        # the parents of the adapted layers: a fused vLLM layer (qkv_proj, gate_up_proj) is processed once all of
-        # its parts arrived, so its unadapted siblings go too
-        parents = None if changed is None else tuple({name.rpartition(".")[0] + "." for name in changed})
-        weights = [(name, tensor.detach()) for name, tensor in plain.state_dict().items()
-                   if parents is None or name.startswith(parents)]
-        quiet = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
-        levels = [log.level for log in quiet]
-        for log in quiet:  # vLLM warns of every layer a partial push leaves as it was (norms, embeddings)
-            log.setLevel(logging.ERROR)
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights),
-                                                              "is_checkpoint_format": True})
-        except TypeError as e:
-            raise ConfigError(f"vllm.weight_sync=weights needs vLLM's in-place reload_weights(weights_iterator=...) "
-                              f"({e}); upgrade vLLM, or use vllm.weight_sync=adapter with LoRA.") from e
-        finally:
-            for log, level in zip(quiet, levels, strict=True):
-                log.setLevel(level)
-        self.llm.reset_prefix_cache()  # cached keys and values came from the old weights
+        weights = ((name, tensor.detach()) for name, tensor in plain.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if not self.llm.reset_prefix_cache():  # cached keys and values came from the old weights
+            raise RuntimeError("vLLM kept its prefix cache after a weight push (requests still running): its cached "
+                               "keys and values would come from the old weights.")
 
     def generate(self, sequences: list[list[int]], max_new_tokens: int, sampling: dict, eos_ids: list[int],
                  with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
@@ -151,8 +141,24 @@ class VllmBackend:
         return ids, logps
 
     def close(self) -> None:
+        """Stop the engine and remove the adapters handed to it."""
         if self._adapters is not None:
             shutil.rmtree(self._adapters, ignore_errors=True)
+        shutdown = getattr(getattr(self.llm.llm_engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def _reloads_in_place() -> bool:
+    """This vLLM loads weights into a running engine: its model runner's reload_weights takes a weights iterator."""
+    import inspect
+
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner subclasses it
+    except ImportError:
+        return False
+    reload = getattr(GPUModelRunner, "reload_weights", None)
+    return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
 
 
 def _vllm_rank(rank: int) -> int:
