@@ -75,3 +75,15 @@ def test_entropy_bonus_and_adaptive_control_map_onto_trl(compose_cfg, tmp_path):
     args = build_grpo_config(cfg, str(tmp_path), [1.0])
     assert (args.entropy_coef, args.use_adaptive_entropy, args.entropy_target, args.entropy_coef_delta) == (
         0.01, True, 0.1, 0.002)
+
+
+def test_the_weight_push_hides_only_the_rotary_embeddings_warning():
+    import logging
+
+    from grpo_pipeline.runtime.vllm_backend import _no_rotary_warning
+
+    def record(*args):
+        return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", args, None)
+
+    assert _no_rotary_warning(record("RotaryEmbedding")) is False  # a computed cos/sin cache: nothing to load
+    assert _no_rotary_warning(record("ParallelLMHead")) is True  # a real layer left unloaded still warns

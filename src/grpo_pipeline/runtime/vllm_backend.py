@@ -21,6 +21,7 @@ vLLM's log-probs differ a little from the trainer's (other kernels); TRL's impor
 for vLLM rollouts is switched on for this path (trainer.py), and its `sampling/*` metrics show the gap.
 """
 
+import logging
 import os
 import shutil
 import tempfile
@@ -83,6 +84,8 @@ class VllmBackend:
                        logprobs_mode="processed_logprobs", enforce_eager=True, **kwargs)
         torch.set_num_threads(threads)
         self.sync_mode = sync
+        if sync == "weights":  # vLLM warns at every push that the rotary embedding got no weights: it has none
+            logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_no_rotary_warning)
         self._merged = MergedCopy()  # sync=weights: the policy with LoRA merged in, in the policy's dtype
         self._adapters = Path(tempfile.mkdtemp(prefix="grpo_vllm_lora_")) if sync == "adapter" else None
         self._lora = None
@@ -147,6 +150,13 @@ class VllmBackend:
         shutdown = getattr(getattr(self.llm.llm_engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
+
+
+def _no_rotary_warning(record: logging.LogRecord) -> bool:
+    """False for vLLM's "RotaryEmbedding: Failed to load weights" (a cos/sin cache computed from the config, which no
+    checkpoint holds); every other record passes."""
+    return not (str(record.msg).startswith("%s: Failed to load weights") and record.args
+                and "Rotary" in str(record.args[0]))
 
 
 def _reloads_in_place() -> bool:
