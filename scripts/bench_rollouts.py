@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rollouts", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--step-envs", nargs="+", default=["arithmetic", "hotel"], choices=["arithmetic", "hotel"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="off alone runs without vLLM: the HF side in the base venv (.venv)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -44,10 +46,10 @@ def main() -> None:
           "adapter)")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
                              ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
-        _row(name, _rollouts(env, batch, args.repeats))
+        _row(name, _rollouts(env, batch, args.repeats, args.modes))
     if args.steps > 1:
         for env in args.step_envs:
-            _row(f"whole step, {env}", [_step_time(env, mode, args.steps) for mode in MODES])
+            _row(f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes})
 
 
 MODES = ("off", "weights", "adapter")  # vllm=off (HF decode loop), vllm=colocate with each vllm.weight_sync
@@ -57,13 +59,13 @@ def _overrides(mode: str) -> list[str]:
     return ["vllm=off"] if mode == "off" else ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
 
-def _row(name: str, seconds: list[float]) -> None:
-    hf, weights, adapter = seconds
-    print(f"{name:<34} | {hf:>9.2f}s | {weights:>11.2f}s | {adapter:>11.2f}s | {hf / weights:.2f}x, "
-          f"{hf / adapter:.2f}x", flush=True)
+def _row(name: str, seconds: dict[str, float]) -> None:
+    cells = [f"{seconds[m]:>{w}.2f}s" if m in seconds else " " * w + "-" for m, w in zip(MODES, (9, 11, 11), strict=True)]
+    ratios = [f"{seconds['off'] / seconds[m]:.2f}x" if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
+    print(f"{name:<34} | {' | '.join(cells)} | {', '.join(ratios)}", flush=True)
 
 
-def _rollouts(env_name: str, batch: int, repeats: int) -> list[float]:
+def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict[str, float]:
     from grpo_pipeline.api import compose_config
     from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
@@ -71,7 +73,7 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> list[float]:
     from grpo_pipeline.runtime.rollout import make_rollout
 
     runs = {}
-    for mode in MODES:
+    for mode in modes:
         cfg = compose_config([f"env={env_name}", *_overrides(mode), "vllm.max_model_len=2048"])
         env, tokenizer, dataset, tools = load_env_and_dataset(cfg, render_tools=False)
         columns = [c for c in dataset.column_names if c != "prompt"]
@@ -81,7 +83,7 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> list[float]:
         runs[mode] = (rollout, cfg)
     from peft import LoraConfig, get_peft_model
 
-    cfg = runs["off"][1]
+    cfg = next(iter(runs.values()))[1]
     targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules)  # the default: every linear layer
     policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
         r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets, lora_dropout=cfg.lora.dropout,
@@ -92,20 +94,26 @@ def _rollouts(env_name: str, batch: int, repeats: int) -> list[float]:
     rows = [{c: dataset[i // 4][c] for c in columns} for i in range(batch)]
     sample = sampling(cfg.generation)
 
+    tokens = {mode: [] for mode in modes}  # tokens sampled per rollout: the work each side did
+
     def timed(mode):
         started = time.perf_counter()
-        runs[mode][0].run(policy, prompts, rows, sample)
+        trajs = runs[mode][0].run(policy, prompts, rows, sample)
+        tokens[mode].append(sum(sum(t.env_mask) for t in trajs))
         return time.perf_counter() - started
 
-    times = {mode: [] for mode in MODES}
-    for mode in MODES:
+    times = {mode: [] for mode in modes}
+    for mode in modes:
         timed(mode)  # warm-up (vLLM's first call is several times slower)
     for _ in range(repeats):
-        for mode in MODES:
+        for mode in modes:
             times[mode].append(timed(mode))
     for rollout, _ in runs.values():
         rollout.close()
-    return [statistics.median(times[mode]) for mode in MODES]
+    print(f"{'  tokens sampled per rollout':<34} | " + " | ".join(
+        f"{statistics.mean(tokens[m]):>{w}.0f} " if m in tokens else " " * w + "-" for m, w in zip(MODES, (9, 11, 11),
+                                                                                                   strict=True)))
+    return {mode: statistics.median(times[mode]) for mode in modes}
 
 
 def _step_time(env_name: str, mode: str, steps: int) -> float:

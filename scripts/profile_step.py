@@ -6,6 +6,8 @@ and of the whole training step. Nothing is changed in the run; the functions are
     .venv/bin/python scripts/profile_step.py env=hotel training.max_steps=2 training.batch_size=8 \
         generation.oversample=1 generation.max_new_tokens=64 eval.enabled=false runtime.generation_dtype=float32
 
+    .venv-vllm/bin/python scripts/profile_step.py vllm=colocate training.max_steps=3 eval.enabled=false
+
 Run it alone on the machine: two jobs on 2 cores slow each other several-fold.
 """
 
@@ -16,7 +18,7 @@ import time
 
 from grpo_pipeline import trainer
 from grpo_pipeline.api import train
-from grpo_pipeline.runtime import merged, rollout, sampler
+from grpo_pipeline.runtime import merged, rollout, sampler, vllm_backend
 
 SECONDS: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -41,7 +43,10 @@ def main() -> None:
     timed(rollout, "decode", "  decode loop")  # rollout.py calls sampler.decode by this name
     timed(merged.MergedCopy, "of", "  copy refresh")
     timed(rollout.SharedPrefix, "build", "  prefix prefill")
+    timed(vllm_backend.VllmBackend, "sync", "  vllm sync")  # vllm=colocate: the policy handed to vLLM
+    timed(vllm_backend.VllmBackend, "generate", "  vllm turn")
     timed(trainer.PipelineTrainer, "_compute_loss", "loss forward")
+    timed(trainer.PipelineTrainer, "_get_per_token_logps_and_entropies", "logps forwards")  # loss, old, reference
     assert rollout.decode is not sampler.decode
     train(sys.argv[1:])
     print("\nseconds per call, in order:")

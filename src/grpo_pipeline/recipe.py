@@ -38,6 +38,7 @@ from grpo_pipeline.rewards import build_rewards
 from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 from grpo_pipeline.runtime.rollout import make_rollout
+from grpo_pipeline.runtime.vllm_backend import weight_sync
 from grpo_pipeline.tracking import Tracker, TrackingError, flatten
 
 log = logging.getLogger(__name__)
@@ -241,10 +242,11 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     if cfg.generation.oversample > 1 or cfg.generation.resample_flat:
         trainer.train_completions = cfg.training.batch_size
         trainer.resample_flat = cfg.generation.resample_flat
-    if rollout is not None and rollout.uses_vllm:
-        trainer.correct_sampler_mismatch()
-    elif rollout is not None and rollout.sampler is not None and rollout.sampler.differs(trainer.model):
-        trainer.behaviour_logps = True
+    if rollout is not None and rollout.uses_vllm and weight_sync(cfg) == "adapter":
+        trainer.correct_sampler_mismatch()  # vLLM's LoRA kernels: TRL's correction, one more forward a step
+    elif rollout is not None and (rollout.uses_vllm or (rollout.sampler is not None
+                                                        and rollout.sampler.differs(trainer.model))):
+        trainer.behaviour_logps = True  # vLLM with the policy's own weights, or a copy in another dtype
     return trainer
 
 

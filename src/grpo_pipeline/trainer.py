@@ -29,13 +29,17 @@ class PipelineTrainer(GRPOTrainer):
     shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
     resample_flat = 0  # generation.resample_flat: more samples for a flat group below the batch's best
-    behaviour_logps = False  # the runtime samples from a copy in another dtype (runtime.generation_dtype)
+    # the runtime samples from a copy in another dtype (runtime.generation_dtype), or from vLLM holding the policy's
+    # weights (vllm.weight_sync=weights): the sampled tokens' log-probs are the behaviour policy's
+    behaviour_logps = False
     _loss_logps = None  # the trainer's log-probs of the batch being trained (for sampling/* metrics)
 
     def correct_sampler_mismatch(self) -> None:
-        """Rollouts come from the runtime's vLLM engine (runtime/vllm_backend.py): switch on TRL's importance-sampling
-        correction for vLLM samples (sequence_mask, clip 3 by default) and its sampling/* metrics. TRL gates them on
-        use_vllm; its weight sync becomes a no-op, since the runtime hands vLLM the adapter before every rollout."""
+        """Rollouts come from the runtime's vLLM engine serving the adapter through its LoRA kernels
+        (vllm.weight_sync=adapter): switch on TRL's importance-sampling correction for vLLM samples (sequence_mask,
+        clip 3 by default; it recomputes the old log-probs with one more forward over every sampled completion) and
+        its sampling/* metrics. TRL gates them on use_vllm; its weight sync becomes a no-op, since the runtime hands
+        vLLM the adapter before every rollout."""
         self.use_vllm = True
         self.vllm_generation = _RuntimeSyncsWeights()
         self._last_loaded_step = -1
