@@ -151,7 +151,10 @@ def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
     assert torch.allclose(ours[1][keep], expected[1][keep], atol=1e-5)
     assert expected[3].keys() == ours[3].keys() and len(expected[3]) > 0
     for name, grad in expected[3].items():
-        assert torch.allclose(ours[3][name], grad, rtol=1e-4, atol=1e-6), name
+        # fp32 sums in another order: elements near zero differ by ~1e-3 relatively (CPU-dependent), so the error
+        # is measured against each tensor's scale (here ~1e-6 of it; a wrong path is off by its whole size)
+        error = (ours[3][name] - grad).abs().max() / grad.abs().max()
+        assert error < 1e-4, (name, error.item())
 
 
 def test_the_kl_reference_through_the_shared_prefix_is_the_model_without_its_adapter():
