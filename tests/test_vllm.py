@@ -4,7 +4,8 @@ Skipped where vLLM is not installed (the base install). With it, for both ways t
 (`vllm.weight_sync`: its weights loaded in place, or its adapter as a LoRARequest): vLLM samples the tokens the
 trainer's own model would score the same (log-probs agree), the policy reaches vLLM before every rollout (a stale
 copy fails the test, a stale prefix cache too), and two-step training runs (LoRA, and full fine-tuning) sample
-every episode through vLLM with TRL's importance-sampling metrics logged.
+every episode through vLLM with the sampler-policy log-prob gap logged (and TRL's importance-sampling ratio for
+adapters).
 """
 
 import json
@@ -47,6 +48,16 @@ def engine(request):
     seqs = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     yield backend, policy, tokenizer, seqs
     backend.close()
+
+
+def test_the_engine_leaves_torchs_thread_count_to_the_trainer(engine):
+    # vLLM's CPU worker swaps torch.set_num_threads for a warning no-op; the trainer shares the process
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _teacher_forced(policy, seq, new):

@@ -17,8 +17,9 @@ How the policy reaches vLLM before every rollout (`vllm.weight_sync`), so vLLM n
 - `adapter` (LoRA only): the adapter, saved after every update and handed to vLLM as a new `LoRARequest`
   (vLLM's multi-LoRA kernels apply it per token).
 
-vLLM's log-probs differ a little from the trainer's (other kernels); TRL's importance-sampling correction
-for vLLM rollouts is switched on for this path (trainer.py), and its `sampling/*` metrics show the gap.
+vLLM's log-probs differ a little from the trainer's (other kernels). With `weights` the loss takes them as the
+behaviour policy's (PPO's ratio over what really sampled, no extra forward); with `adapter` TRL's importance-sampling
+correction for vLLM rollouts is switched on (recipe.py, trainer.py). `sampling/sampling_logp_difference/*` shows the gap.
 """
 
 import logging
@@ -79,9 +80,14 @@ class VllmBackend:
         kwargs = {}
         if sync == "adapter":
             kwargs |= {"enable_lora": True, "max_lora_rank": _vllm_rank(lora_rank), "max_loras": 1}
+        set_num_threads = torch.set_num_threads
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                        enable_prefix_caching=True, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", enforce_eager=True, **kwargs)
+        if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+            # vLLM's CPU worker swaps torch.set_num_threads for a no-op that warns ("after the thread binding"); it
+            # bound no threads, and the trainer's code keeps its own thread count
+            torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
         self.sync_mode = sync
         if sync == "weights":  # vLLM warns at every push that the rotary embedding got no weights: it has none
