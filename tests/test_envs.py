@@ -80,7 +80,18 @@ def test_hotel_scores_follow_the_booking(tokenizer):
     met, total = env.wishes_met(wrong_city, request)
     assert met < total
     score = lambda replies: env.score_episode(None, tokenizer, play(env, request, replies), request=request)  # noqa: E731
-    assert score([call("book_room", room_id=wrong_city["room_id"])]) == pytest.approx(0.3 + 0.6 * met / total)
+    # a room a search showed (here in the wrong city) earns partial credit for the wishes it meets
+    searched_there = [call("search_rooms", city=wrong_city["city"], guests=1, max_price=10_000),
+                      call("book_room", room_id=wrong_city["room_id"])]
+    assert score(searched_there) == pytest.approx(0.3 + 0.6 * met / total)
+    # the same room booked blind (no search showed it: a guess, or the worked example's room copied) earns none,
+    # also when it would meet every wish: a collapsed run booked the example's room for every guest this way
+    assert score([call("book_room", room_id=wrong_city["room_id"])]) == 0.1
+    right = matching_room(env, request)
+    assert score([call("book_room", room_id=right["room_id"])]) == 0.1
+    nothing_shown = call("search_rooms", city=request["city"], max_price=0)  # "no rooms match"
+    assert score([nothing_shown, call("book_room", room_id=right["room_id"])]) == 0.2
+    assert score([call("search_rooms", city=request["city"]), call("book_room", room_id=right["room_id"])]) == 1.0
     assert score([call("search_rooms", city=request["city"]), "I am not sure."]) == 0.2  # searched, never booked
     assert score([call("dance"), "hmm"]) == 0.1  # a well-formed call to an unknown tool, then chatter
     transcript = play(env, request, ["hello", "hmm"])

@@ -7,8 +7,11 @@ The guest asks for a room (city, guests, price cap, wished features). The assist
 (or the guest's nudge when it called none), and the episode ends at a booking or after `max_turns`
 assistant turns. Every assistant turn is trained; the env's turns are masked out of the loss.
 `score_episode` reads the whole transcript. Score, from the first booking:
-1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another real room;
-0.2 no booking but a search in the right city; 0.1 a well-formed tool call; else 0.
+1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another room a search of this episode showed;
+0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0.
+A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
+a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
+(0.3 + 0.6 * share for any real room beat the 0.2 of a search; README "Measured", multi-turn).
 """
 
 import json
@@ -180,18 +183,23 @@ class HotelEnv:
 
     def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict, **_) -> float:
         """`completion`: the episode's messages after the opening (or, from older callers, the first reply)."""
-        replies = [completion] if isinstance(completion, str) else [
-            m["content"] for m in completion if m.get("role") == "assistant"]
+        messages = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
         searched = well_formed = False
-        for reply in replies:
-            for call in parse_tool_calls(reply) or []:
+        shown: set[str] = set()  # room ids the env's search results listed so far
+        for message in messages:
+            if message.get("role") == "tool":
+                shown |= {line.split(":", 1)[0] for line in str(message.get("content", "")).splitlines()}
+            if message.get("role") != "assistant":
+                continue
+            for call in parse_tool_calls(message["content"]) or []:
                 well_formed = True
                 args = call.get("arguments", {})
                 if call.get("name") == "search_rooms":
                     searched = searched or str(args.get("city", "")).lower() == request["city"].lower()
                 elif call.get("name") == "book_room":
-                    booked = self.rooms.get(str(args.get("room_id")))
-                    if booked is None:
+                    room_id = str(args.get("room_id"))
+                    booked = self.rooms.get(room_id)
+                    if booked is None or room_id not in shown:
                         return 0.2 if searched else 0.1
                     met, total = self.wishes_met(booked, request)
                     return 1.0 if met == total else 0.3 + 0.6 * met / total
