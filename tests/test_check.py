@@ -84,6 +84,20 @@ class Honest(_Base):      # only the hidden right answer scores; no degenerate t
     def score_episode(self, model, tokenizer, completion, secret):
         return 1.0 if secret in completion else 0.0
 
+class _WithExample(_Base):  # a worked example in the prompt: the example's answer is zebra0x
+    def build_dataset(self, tokenizer):
+        example = [{"role": "user", "content": "Say the word number 0."}, {"role": "assistant", "content": "zebra0x"}]
+        return Dataset.from_list([{"prompt": example + [{"role": "user", "content": f"Say the word number {i}."}],
+                                   "secret": f"zebra{i}x"} for i in range(1, 7)])
+
+class PaysTheExample(_WithExample):  # planted exploit: the example's answer earns partial credit anywhere
+    def score_episode(self, model, tokenizer, completion, secret):
+        return 1.0 if secret in completion else 0.5 if "zebra0x" in completion else 0.0
+
+class HonestWithExample(_WithExample):
+    def score_episode(self, model, tokenizer, completion, secret):
+        return 1.0 if secret in completion else 0.0
+
 class Graded(_Base):      # spread within groups: the completion's length decides
     def score_episode(self, model, tokenizer, completion, secret):
         return min(1.0, len(completion) / 40)
@@ -121,6 +135,15 @@ def test_doctor_stays_quiet_on_an_honest_reward(compose_cfg, planted):
     assert not any("exploit" in w or "nondeterministic" in w for w in report.warnings), report.warnings
     assert "scored 6 completions a second time: 0 got a different score" in report.text()
     assert "reward-exploit probes (base model mean reward 0.000)" in report.text()
+
+
+def test_doctor_flags_a_reward_for_copying_the_worked_example(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "PaysTheExample")
+    assert any(w.startswith("possible reward exploit: 'worked example copied'") and "earn 0.500" in w
+               for w in report.warnings), report.warnings
+    honest = _doctor(compose_cfg, planted, "HonestWithExample")
+    assert re.search(r"worked example copied\s+0\.000", honest.text())  # probed, and earns nothing
+    assert not any("exploit" in w for w in honest.warnings), honest.warnings
 
 
 def test_learnability_recommends_a_group_size(compose_cfg, planted):

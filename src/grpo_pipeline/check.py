@@ -9,7 +9,7 @@ same runtime as training, and prints a compact report with concrete warnings:
 - what training can reach: pass@k (the share of prompts solved at least once in k samples) and the
   expected best-of-k reward, for k up to max(`check.num_generations`);
 - reward-exploit probes (`check.probes`): degenerate completions (empty, whitespace, the prompt echoed, the
-  answer tag with a random value, a long repetition, the first half of a good completion) scored through
+  answer tag with a random value, a long repetition, the first half of a good completion, a worked example's last reply copied) scored through
   the env and every reward component; a warning when one earns more than the base model's mean, and when
   the same completions scored a second time get different scores (a nondeterministic reward).
 Exit code 0: the env works (warnings may remain); 1: episodes fail, time out or return invalid
@@ -327,7 +327,7 @@ class Prober(Scorer):
             if len(self.tokenizer(repeated, add_special_tokens=False)["input_ids"]) >= limit:
                 break
             repeated += " " + phrase
-        return {
+        probes = {
             "empty": "",
             "whitespace": " \n\t ",
             "prompt echoed": _user_text(prompt),
@@ -335,6 +335,12 @@ class Prober(Scorer):
             "long repetition": repeated,
             "half a good answer": self.tokenizer.decode(ids[: len(ids) // 2], skip_special_tokens=True),
         }
+        # a worked example in the prompt (few-shot assistant turns): its last reply copied, whatever was asked. A
+        # hotel run collapsed into booking the example's room for every guest, which the reward then paid for
+        examples = [] if isinstance(prompt, str) else [m["content"] for m in prompt if m.get("role") == "assistant"]
+        if examples:
+            probes["worked example copied"] = str(examples[-1])
+        return probes
 
 
 def _user_text(prompt) -> str:
