@@ -59,10 +59,15 @@ def _overrides(mode: str) -> list[str]:
     return ["vllm=off"] if mode == "off" else ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
 
+def _cells(values: dict[str, float], fmt: str, unit: str) -> str:
+    """One table cell per mode, in MODES' order and the header's widths; '-' for a mode not run."""
+    return " | ".join(f"{values[m]:>{w}{fmt}}{unit}" if m in values else " " * w + "-"
+                      for m, w in zip(MODES, (9, 11, 11), strict=True))
+
+
 def _row(name: str, seconds: dict[str, float]) -> None:
-    cells = [f"{seconds[m]:>{w}.2f}s" if m in seconds else " " * w + "-" for m, w in zip(MODES, (9, 11, 11), strict=True)]
     ratios = [f"{seconds['off'] / seconds[m]:.2f}x" if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
-    print(f"{name:<34} | {' | '.join(cells)} | {', '.join(ratios)}", flush=True)
+    print(f"{name:<34} | {_cells(seconds, '.2f', 's')} | {', '.join(ratios)}", flush=True)
 
 
 def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict[str, float]:
@@ -110,9 +115,8 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
             times[mode].append(timed(mode))
     for rollout, _ in runs.values():
         rollout.close()
-    print(f"{'  tokens sampled per rollout':<34} | " + " | ".join(
-        f"{statistics.mean(tokens[m]):>{w}.0f} " if m in tokens else " " * w + "-" for m, w in zip(MODES, (9, 11, 11),
-                                                                                                   strict=True)))
+    print(f"{'  tokens sampled per rollout':<34} | " + _cells({m: statistics.mean(t) for m, t in tokens.items()},
+                                                              ".0f", " "))
     return {mode: statistics.median(times[mode]) for mode in modes}
 
 
