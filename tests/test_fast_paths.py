@@ -12,7 +12,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.prefix_logps import MIN_PREFIX, per_token_logps, shared_prefix_length, supported
+from grpo_pipeline.prefix_logps import MIN_PREFIX, length_groups, per_token_logps, shared_prefix_length, supported
 from grpo_pipeline.runtime import sampler
 from grpo_pipeline.runtime.rollout import SharedPrefix, generate
 
@@ -155,6 +155,63 @@ def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
         # is measured against each tensor's scale (here ~1e-6 of it; a wrong path is off by its whole size)
         error = (ours[3][name] - grad).abs().max() / grad.abs().max()
         assert error < 1e-4, (name, error.item())
+
+
+def test_shared_prefix_loss_runs_each_row_only_as_long_as_its_group_needs():
+    """Rows run in length groups padded to their own longest member, not the batch's longest completion (a
+    multi-turn batch is ~half padding): fewer tokens through the model, the same log-probs, entropies and
+    gradients as TRL's path, a fully masked completion (TRL's mask_truncated_completions) included."""
+    tokenizer = build_tiny_tokenizer()
+    model = _lora_model(tokenizer)
+    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
+    long_ids = torch.cat([ids, torch.randint(5, model.config.vocab_size, (ids.size(0), 30))], dim=1)
+    long_mask = torch.cat([mask, torch.zeros((ids.size(0), 30), dtype=mask.dtype)], dim=1)
+    long_mask[0, -30:] = 1  # one episode 30 tokens longer than the rest: the batch is padded to it
+    long_mask[0, -length - 30:-30] = 1
+    long_mask[3, -length - 30:] = 0  # a truncated completion, masked whole
+    length += 30
+    ids, mask = long_ids, long_mask
+    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
+    fed = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].numel()))
+    keep = mask[:, -length:].bool()
+
+    def run(fn):
+        model.zero_grad()
+        fed.clear()
+        logps, entropy = fn()
+        (logps[keep].sum() + 0.3 * entropy[keep].sum()).backward()
+        return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if p.grad is not None}, sum(fed)
+
+    def trl_path():
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-length] = -100
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        return out.log_probs[:, -length:], out.entropy[:, -length:]
+
+    expected = run(trl_path)
+    ours = run(lambda: per_token_logps(model, ids, mask, length, prefix, True, 8, contextlib.nullcontext))
+    hook.remove()
+    assert torch.allclose(ours[0][keep], expected[0][keep], atol=1e-5)
+    assert torch.allclose(ours[1][keep], expected[1][keep], atol=1e-5)
+    assert (ours[0][~keep] == 0).all() and (ours[1][~keep] == 0).all()
+    for name, grad in expected[2].items():
+        assert (ours[2][name] - grad).abs().max() / grad.abs().max() < 1e-4, name
+    real = int(mask.sum()) - (ids.size(0) - 1) * prefix  # every row's own tokens, the prefix once
+    assert ours[3] < 0.6 * expected[3]  # TRL's layout: 8 rows x the longest
+    assert ours[3] <= 1.3 * real, (ours[3], real)
+
+
+def test_length_groups_keep_padding_within_the_slack_and_every_row_once():
+    tails, completions = [3, 3, 4, 3, 3, 3], [2, 40, 2, 38, 1, 41]
+    groups = length_groups(tails, completions, most=4)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert [sorted(g) for g in groups] == [[0, 2, 4], [1, 3, 5]]  # short rows apart from long ones
+    for g in groups:
+        padded = len(g) * (max(tails[i] for i in g) + max(completions[i] for i in g))
+        assert padded <= 1.25 * sum(tails[i] + completions[i] for i in g)
+    assert all(len(g) == 1 for g in length_groups(tails, completions, most=1))
 
 
 def test_the_kl_reference_through_the_shared_prefix_is_the_model_without_its_adapter():

@@ -60,44 +60,71 @@ def per_token_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     prefix_length: int, compute_entropy: bool, batch_size: int, autocast):
     """(log-probs, entropies or None) of the last `logits_to_keep` tokens, as TRL's
     `_get_per_token_logps_and_entropies` returns them, with the first `prefix_length` prompt tokens shared.
-    `model` must carry TRL's fused LM head (`fused_lm_head=True`)."""
+    `model` must carry TRL's fused LM head (`fused_lm_head=True`).
+
+    Rows run in groups of similar length (`length_groups`), each padded only to its own longest tail and
+    completion: TRL pads every row to the batch's longest completion, which for multi-turn episodes (one turn
+    here, three there) is about half padding. A row's completion ends at its last attended token; what follows is
+    padding, which no earlier token sees and the loss masks out, so its log-probs and entropies are returned as 0."""
     prompt_width = input_ids.size(1) - logits_to_keep
     device = input_ids.device
     n = prefix_length
     prompts = [ids[:prompt_width][mask[:prompt_width].bool()] for ids, mask in zip(input_ids, attention_mask,
                                                                                     strict=True)]
     prefix, tails = prompts[0][:n], [p[n:] for p in prompts]
-    width = max(len(t) for t in tails)
-    batch = input_ids.size(0)
-    rest = torch.zeros((batch, width + logits_to_keep), dtype=input_ids.dtype, device=device)
-    rest_mask = torch.zeros_like(rest)
-    for i, tail in enumerate(tails):
-        rest[i, width - len(tail):width] = tail
-        rest_mask[i, width - len(tail):width] = 1
-    rest[:, width:] = input_ids[:, prompt_width:]
-    rest_mask[:, width:] = attention_mask[:, prompt_width:]
-    full_mask = torch.cat([torch.ones((batch, n), dtype=rest_mask.dtype, device=device), rest_mask], dim=1)
-    positions = (full_mask.cumsum(1) - 1).clamp(min=0)[:, n:]
-    labels = rest.masked_fill(rest_mask == 0, -100)
-    labels[:, :width] = -100  # only completion tokens are scored, as in TRL
+    attended = attention_mask[:, prompt_width:].bool()
+    positions_kept = torch.arange(1, logits_to_keep + 1, device=device)
+    ends = (attended * positions_kept).amax(dim=1).tolist() if logits_to_keep else [0] * len(tails)
 
     with autocast():
         out = model(input_ids=prefix[None], use_cache=True, logits_to_keep=1)
     cache = _cache_of(out)
-    logps, entropies = [], []
-    for start in range(0, batch, batch_size):
-        end = min(start + batch_size, batch)
+    order, logps, entropies = [], [], []
+    for rows in length_groups([len(t) for t in tails], ends, batch_size):
+        width = max(len(tails[i]) for i in rows)
+        kept = max(1, max(ends[i] for i in rows))  # at least one token: the loss keeps a graph even when all are masked
+        rest = torch.zeros((len(rows), width + kept), dtype=input_ids.dtype, device=device)
+        rest_mask = torch.zeros_like(rest)
+        for j, i in enumerate(rows):
+            rest[j, width - len(tails[i]):width] = tails[i]
+            rest_mask[j, width - len(tails[i]):width] = 1
+            rest[j, width:] = input_ids[i, prompt_width:prompt_width + kept]
+            rest_mask[j, width:] = attention_mask[i, prompt_width:prompt_width + kept]
+        full_mask = torch.cat([torch.ones((len(rows), n), dtype=rest_mask.dtype, device=device), rest_mask], dim=1)
+        positions = (full_mask.cumsum(1) - 1).clamp(min=0)[:, n:]
+        labels = rest.masked_fill(rest_mask == 0, -100)
+        labels[:, :width] = -100  # only completion tokens are scored, as in TRL
         chunk_cache = copy.copy(cache)  # the prefix's tensors, repeated per row (differentiable)
         chunk_cache.layers = [copy.copy(layer) for layer in cache.layers]
-        chunk_cache.batch_repeat_interleave(end - start)
-        attend = _attention_mask(full_mask[start:end], n)
+        chunk_cache.batch_repeat_interleave(len(rows))
         with autocast():
-            out = model(input_ids=rest[start:end], attention_mask=attend, position_ids=positions[start:end],
-                        labels=labels[start:end], fused_lm_head=True, **{CACHE_KWARG: chunk_cache})
-        logps.append(out.log_probs[:, -logits_to_keep:])
+            out = model(input_ids=rest, attention_mask=_attention_mask(full_mask, n), position_ids=positions,
+                        labels=labels, fused_lm_head=True, **{CACHE_KWARG: chunk_cache})
+        pad = (0, logits_to_keep - kept)
+        logps.append(torch.nn.functional.pad(out.log_probs[:, -kept:], pad))
         if compute_entropy:
-            entropies.append(out.entropy[:, -logits_to_keep:])
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None)
+            entropies.append(torch.nn.functional.pad(out.entropy[:, -kept:], pad))
+        order += rows
+    back = torch.tensor(order, device=device).argsort()  # the groups' rows back in the batch's order
+    return (torch.cat(logps).index_select(0, back),
+            torch.cat(entropies).index_select(0, back) if compute_entropy else None)
+
+
+def length_groups(tails: list[int], completions: list[int], most: int, slack: float = 1.25) -> list[list[int]]:
+    """Row indices in groups of at most `most` rows, by length: a group grows while its padded size (rows x
+    (longest tail + longest completion)) stays within `slack` x its rows' own tokens. Each group is one forward
+    pass, which reads every weight once, so a little padding is cheaper than another pass."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(tails)), key=lambda i: (tails[i] + completions[i], i)):
+        group = groups[-1] if groups else None
+        if group is not None and len(group) < most:
+            rows = group + [i]
+            padded = len(rows) * (max(tails[r] for r in rows) + max(completions[r] for r in rows))
+            if padded <= slack * sum(tails[r] + completions[r] for r in rows):
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _cache_of(out):
