@@ -12,7 +12,13 @@ from trl.trainer.utils import add_fused_lm_head
 
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.prefix_logps import MIN_PREFIX, length_groups, per_token_logps, shared_prefix_length, supported
+from grpo_pipeline.prefix_logps import (
+    MIN_PREFIX,
+    length_groups,
+    per_token_logps,
+    shared_prefix_length,
+    supported,
+)
 from grpo_pipeline.runtime import sampler
 from grpo_pipeline.runtime.rollout import SharedPrefix, generate
 
