@@ -129,20 +129,21 @@ def _batch(tokenizer, vocab: int):
     return ids, mask, length
 
 
-def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
-    tokenizer = build_tiny_tokenizer()
-    model = _lora_model(tokenizer)
-    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
-    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
-    assert prefix >= MIN_PREFIX
+def _loss_path_matches_trls(model, ids, mask, length, prefix, batch_size) -> tuple[int, int]:
+    """Runs TRL's loss forward and the shared-prefix one on the same batch, backward through both (log-probs plus
+    0.3 x entropy over the attended completion tokens), and asserts the same log-probs, entropies and LoRA
+    gradients. Returns the tokens each fed through the model (TRL's, ours)."""
+    keep = mask[:, -length:].bool()
+    fed = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].numel()))
 
     def run(fn):
         model.zero_grad()
+        fed.clear()
         logps, entropy = fn()
-        keep = mask[:, -length:].bool()
         (logps[keep].sum() + 0.3 * entropy[keep].sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return logps.detach(), entropy.detach(), keep, grads
+        return logps.detach(), entropy.detach(), grads, sum(fed)
 
     def trl_path():
         labels = ids.masked_fill(mask == 0, -100)
@@ -150,17 +151,31 @@ def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
         out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         return out.log_probs[:, -length:], out.entropy[:, -length:]
 
-    expected = run(trl_path)
-    ours = run(lambda: per_token_logps(model, ids, mask, length, prefix, True, 3, contextlib.nullcontext))
-    keep = expected[2]
+    try:
+        expected = run(trl_path)
+        ours = run(lambda: per_token_logps(model, ids, mask, length, prefix, True, batch_size,
+                                           contextlib.nullcontext))
+    finally:
+        hook.remove()
     assert torch.allclose(ours[0][keep], expected[0][keep], atol=1e-5)
     assert torch.allclose(ours[1][keep], expected[1][keep], atol=1e-5)
-    assert expected[3].keys() == ours[3].keys() and len(expected[3]) > 0
-    for name, grad in expected[3].items():
+    assert expected[2].keys() == ours[2].keys() and len(expected[2]) > 0
+    for name, grad in expected[2].items():
         # fp32 sums in another order: elements near zero differ by ~1e-3 relatively (CPU-dependent), so the error
         # is measured against each tensor's scale (here ~1e-6 of it; a wrong path is off by its whole size)
-        error = (ours[3][name] - grad).abs().max() / grad.abs().max()
+        error = (ours[2][name] - grad).abs().max() / grad.abs().max()
         assert error < 1e-4, (name, error.item())
+    assert (ours[0][~keep] == 0).all() and (ours[1][~keep] == 0).all()  # padding: 0, as the loss masks it
+    return expected[3], ours[3]
+
+
+def test_shared_prefix_loss_equals_trls_logprobs_entropies_and_gradients():
+    tokenizer = build_tiny_tokenizer()
+    model = _lora_model(tokenizer)
+    ids, mask, length = _batch(tokenizer, model.config.vocab_size)
+    prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
+    assert prefix >= MIN_PREFIX
+    _loss_path_matches_trls(model, ids, mask, length, prefix, batch_size=3)
 
 
 def test_shared_prefix_loss_runs_each_row_only_as_long_as_its_group_needs():
@@ -170,43 +185,16 @@ def test_shared_prefix_loss_runs_each_row_only_as_long_as_its_group_needs():
     tokenizer = build_tiny_tokenizer()
     model = _lora_model(tokenizer)
     ids, mask, length = _batch(tokenizer, model.config.vocab_size)
-    long_ids = torch.cat([ids, torch.randint(5, model.config.vocab_size, (ids.size(0), 30))], dim=1)
-    long_mask = torch.cat([mask, torch.zeros((ids.size(0), 30), dtype=mask.dtype)], dim=1)
-    long_mask[0, -30:] = 1  # one episode 30 tokens longer than the rest: the batch is padded to it
-    long_mask[0, -length - 30:-30] = 1
-    long_mask[3, -length - 30:] = 0  # a truncated completion, masked whole
+    ids = torch.cat([ids, torch.randint(5, model.config.vocab_size, (ids.size(0), 30))], dim=1)
+    mask = torch.cat([mask, torch.zeros((ids.size(0), 30), dtype=mask.dtype)], dim=1)
+    mask[0, -length - 30:] = 1  # one episode 30 tokens longer than the rest: the batch is padded to it
+    mask[3, -length - 30:] = 0  # a truncated completion, masked whole
     length += 30
-    ids, mask = long_ids, long_mask
     prefix = shared_prefix_length(ids, mask, ids.size(1) - length)
-    fed = []
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _m, args: fed.append(args[0].numel()))
-    keep = mask[:, -length:].bool()
-
-    def run(fn):
-        model.zero_grad()
-        fed.clear()
-        logps, entropy = fn()
-        (logps[keep].sum() + 0.3 * entropy[keep].sum()).backward()
-        return logps.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                  if p.grad is not None}, sum(fed)
-
-    def trl_path():
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :-length] = -100
-        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-        return out.log_probs[:, -length:], out.entropy[:, -length:]
-
-    expected = run(trl_path)
-    ours = run(lambda: per_token_logps(model, ids, mask, length, prefix, True, 8, contextlib.nullcontext))
-    hook.remove()
-    assert torch.allclose(ours[0][keep], expected[0][keep], atol=1e-5)
-    assert torch.allclose(ours[1][keep], expected[1][keep], atol=1e-5)
-    assert (ours[0][~keep] == 0).all() and (ours[1][~keep] == 0).all()
-    for name, grad in expected[2].items():
-        assert (ours[2][name] - grad).abs().max() / grad.abs().max() < 1e-4, name
+    trls, ours = _loss_path_matches_trls(model, ids, mask, length, prefix, batch_size=8)
     real = int(mask.sum()) - (ids.size(0) - 1) * prefix  # every row's own tokens, the prefix once
-    assert ours[3] < 0.6 * expected[3]  # TRL's layout: 8 rows x the longest
-    assert ours[3] <= 1.3 * real, (ours[3], real)
+    assert ours < 0.6 * trls  # TRL's layout: 8 rows x the longest
+    assert ours <= 1.3 * real, (ours, real)
 
 
 def test_length_groups_keep_padding_within_the_slack_and_every_row_once():
