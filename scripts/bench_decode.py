@@ -1,5 +1,6 @@
-"""What one decode step costs, by the dtype of the weights that generate: fp32 (what the runtime samples from
-today), bf16, and int8 (torch's dynamic quantization of every Linear). SmolLM2-135M-Instruct, one new token per
+"""What one decode step costs, by the weights that generate: fp32 in torch's own layers, fp32 prepacked for oneDNN
+(`merged.PackedLinear`: what the runtime samples from on a CPU), bf16, and int8 (torch's dynamic quantization of
+every Linear). SmolLM2-135M-Instruct, one new token per
 row with a KV cache of --context tokens; each figure is the median of --repeats steps, all in one run. And how far
 each copy's log-probs are from fp32's: the mean |log p - log p_fp32| of the next token over the rendered prompts of
 env=arithmetic (teacher-forced; what a sampler's mismatch costs the loss's ratio).
@@ -18,11 +19,13 @@ import warnings
 
 import torch
 
+from grpo_pipeline.runtime.sampler import _growing
+
 
 def step_ms(model, rows: int, context: int, repeats: int) -> float:
     ids = torch.randint(100, 1000, (rows, context))
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values
+        cache = _growing(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)  # as the runtime
         token = torch.randint(100, 1000, (rows, 1))
         times = []
         for _ in range(repeats):
@@ -59,6 +62,7 @@ def main() -> None:
     from grpo_pipeline.models import load_model, load_tokenizer
     from grpo_pipeline.prompts import render_prompt
     from grpo_pipeline.recipe import load_env_and_dataset
+    from grpo_pipeline.runtime.merged import pack_linears
 
     cfg = compose_config([])
     tokenizer = load_tokenizer(cfg.model)
@@ -66,16 +70,19 @@ def main() -> None:
     _, _, dataset, _ = load_env_and_dataset(cfg)
     texts = [tokenizer(render_prompt(tokenizer, dataset[i]["prompt"])[0], add_special_tokens=False)["input_ids"]
              for i in range(8)]
-    models = {"fp32": fp32, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
+    packed = copy.deepcopy(fp32)
+    pack_linears(packed)
+    models = {"fp32": fp32, "packed": packed, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
               "int8": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8)}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M; one decode step, KV cache of {args.context} tokens")
     gaps = {name: logp_gap(model, fp32, texts) for name, model in models.items()}
     print("mean |log p - log p_fp32| per token: " + ", ".join(f"{name} {gap:.4f}" for name, gap in gaps.items()))
-    print(f"{'rows':>4} | " + " | ".join(f"{name:>8}" for name in models) + " | int8 vs fp32")
+    print(f"{'rows':>4} | " + " | ".join(f"{name:>8}" for name in models) + " | fp32 / packed, int8")
     for rows in args.rows:
         ms = {name: step_ms(model, rows, args.context, args.repeats) for name, model in models.items()}
-        print(f"{rows:>4} | " + " | ".join(f"{v:6.1f}ms" for v in ms.values()) + f" | {ms['fp32'] / ms['int8']:.2f}x")
+        print(f"{rows:>4} | " + " | ".join(f"{v:6.1f}ms" for v in ms.values()) + f" | {ms['fp32'] / ms['packed']:.2f}x, "
+              f"{ms['fp32'] / ms['int8']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side.
+"""HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side;
+and the HF loop from its copy with prepacked weights (the default on a CPU) vs plain torch layers (`unpacked`).
 
 vLLM gets the policy both ways `vllm.weight_sync` offers: its weights (LoRA merged) loaded in place before each
 rollout (`weights`), or the adapter as a LoRARequest (`adapter`). Runs in the CPU vLLM venv
@@ -35,15 +36,15 @@ def main() -> None:
     parser.add_argument("--rollouts", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--step-envs", nargs="+", default=["arithmetic", "hotel"], choices=["arithmetic", "hotel"])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
-                        help="off alone runs without vLLM: the HF side in the base venv (.venv)")
+                        help="off and unpacked alone run without vLLM: the HF side in the base venv (.venv)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M + LoRA r=16")
-    print(f"{'part':<34} | {'HF decode':>10} | {'vLLM weights':>12} | {'vLLM adapter':>12} | HF / vLLM (weights, "
-          "adapter)")
+    print(f"{'part':<34} | {'HF decode':>10} | {'HF unpacked':>12} | {'vLLM weights':>12} | {'vLLM adapter':>12} | "
+          "unpacked / HF; HF / vLLM (weights, adapter)")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
                              ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
         _row(name, _rollouts(env, batch, args.repeats, args.modes))
@@ -52,21 +53,26 @@ def main() -> None:
             _row(f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes})
 
 
-MODES = ("off", "weights", "adapter")  # vllm=off (HF decode loop), vllm=colocate with each vllm.weight_sync
+# vllm=off (HF decode loop; `unpacked`: its copy without prepacked weights), vllm=colocate with each vllm.weight_sync
+MODES = ("off", "unpacked", "weights", "adapter")
 
 
 def _overrides(mode: str) -> list[str]:
-    return ["vllm=off"] if mode == "off" else ["vllm=colocate", f"vllm.weight_sync={mode}"]
+    if mode in ("off", "unpacked"):
+        return ["vllm=off", f"runtime.packed_generation={'false' if mode == 'unpacked' else 'null'}"]
+    return ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
 
 def _cells(values: dict[str, float], fmt: str, unit: str) -> str:
     """One table cell per mode, in MODES' order and the header's widths; '-' for a mode not run."""
     return " | ".join(f"{values[m]:>{w}{fmt}}{unit}" if m in values else " " * w + "-"
-                      for m, w in zip(MODES, (9, 11, 11), strict=True))
+                      for m, w in zip(MODES, (9, 11, 11, 11), strict=True))
 
 
 def _row(name: str, seconds: dict[str, float]) -> None:
-    ratios = [f"{seconds['off'] / seconds[m]:.2f}x" if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
+    """Ratios to `off` (the default HF loop): unpacked / off (what packing saves), then off / vLLM per weight sync."""
+    ratios = [(f"{seconds[m] / seconds['off']:.2f}x" if m == "unpacked" else f"{seconds['off'] / seconds[m]:.2f}x")
+              if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
     print(f"{name:<34} | {_cells(seconds, '.2f', 's')} | {', '.join(ratios)}", flush=True)
 
 
@@ -101,7 +107,8 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
 
     tokens = {mode: [] for mode in modes}  # tokens sampled per rollout: the work each side did
 
-    def timed(mode):
+    def timed(mode, repeat):
+        torch.manual_seed(repeat)  # the HF loops (packed or not) then sample the same tokens in a repeat
         started = time.perf_counter()
         trajs = runs[mode][0].run(policy, prompts, rows, sample)
         tokens[mode].append(sum(sum(t.env_mask) for t in trajs))
@@ -109,10 +116,10 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
 
     times = {mode: [] for mode in modes}
     for mode in modes:
-        timed(mode)  # warm-up (vLLM's first call is several times slower)
-    for _ in range(repeats):
+        timed(mode, -1)  # warm-up (vLLM's first call is several times slower)
+    for repeat in range(repeats):
         for mode in modes:
-            times[mode].append(timed(mode))
+            times[mode].append(timed(mode, repeat))
     for rollout, _ in runs.values():
         rollout.close()
     print(f"{'  tokens sampled per rollout':<34} | " + _cells({m: statistics.mean(t) for m, t in tokens.items()},

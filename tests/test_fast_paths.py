@@ -268,12 +268,15 @@ def test_shared_prefix_length_leaves_every_row_a_token_and_sees_no_padding():
     assert shared_prefix_length(same, torch.ones_like(same), 3) == 2  # identical prompts: one token left each
 
 
-def test_merged_copy_generates_like_the_policy_and_is_never_stale():
-    from grpo_pipeline.runtime.merged import MergedCopy
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+def test_merged_copy_generates_like_the_policy_and_is_never_stale(pack):
+    from grpo_pipeline.runtime.merged import MergedCopy, PackedLinear, can_pack
 
+    if pack and not can_pack():
+        pytest.skip("this torch has no oneDNN")
     tokenizer = build_tiny_tokenizer()
     policy = _lora_model(tokenizer).eval()
-    merged = MergedCopy()
+    merged = MergedCopy(pack=pack)
     ids = torch.tensor([_prompts(tokenizer, 1)[0]])
 
     def logits(model):
@@ -282,6 +285,8 @@ def test_merged_copy_generates_like_the_policy_and_is_never_stale():
 
     plain = merged.of(policy)
     assert plain is not policy and not any("lora" in n for n, _ in plain.named_modules())
+    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear | PackedLinear)]
+    assert linears and all(isinstance(m, PackedLinear) == pack for m in linears)  # LM head included
     assert torch.allclose(logits(plain), logits(policy), atol=1e-5)
     with torch.no_grad():  # an optimizer step on the adapter
         for name, p in policy.named_parameters():
@@ -293,9 +298,49 @@ def test_merged_copy_generates_like_the_policy_and_is_never_stale():
     with policy.disable_adapter():  # the base weights were not touched by merging
         base = logits(policy)
     assert not torch.allclose(base, logits(policy), atol=1e-3)
-    # a plain (non-LoRA) model generates as itself
-    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
-    assert MergedCopy().of(model) is model
+    # a plain (non-LoRA) model generates as itself; packed, from a copy that follows every weight
+    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer).eval()
+    if not pack:
+        assert MergedCopy().of(model) is model
+        return
+    whole = MergedCopy(pack=True)
+    copied = whole.of(model)
+    assert copied is not model and torch.allclose(logits(copied), logits(model), atol=1e-5)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    assert (copied.lm_head.weight is copied.get_input_embeddings().weight) == tied  # a tied head stays tied
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    assert not torch.allclose(logits(copied), logits(model), atol=1e-3)
+    assert whole.of(model) is copied and torch.allclose(logits(copied), logits(model), atol=1e-5)
+
+
+def test_packed_copy_decodes_the_same_episodes():
+    """The runtime's decode loop from a packed copy gives the plain copy's greedy tokens, and sampled tokens with
+    log-probs within float32 rounding, on a batch that shrinks as rows end (so the layers see 8 rows down to 1)."""
+    from grpo_pipeline.runtime.merged import MergedCopy, can_pack
+    from grpo_pipeline.runtime.rollout import generate
+
+    if not can_pack():
+        pytest.skip("this torch has no oneDNN")
+    tokenizer = build_tiny_tokenizer()
+    policy = _lora_model(tokenizer).eval()
+    prompts = _prompts(tokenizer, 8)
+    eos = [tokenizer.eos_token_id, *range(100, 140)]  # a tenth of the vocabulary ends a row: rows end at random
+    plain, packed = MergedCopy().of(policy), MergedCopy(pack=True).of(policy)
+    with torch.no_grad():
+        greedy = [generate(m, prompts, 24, {"do_sample": False}, eos, tokenizer.pad_token_id)[0]
+                  for m in (plain, packed)]
+        sampled = []
+        for m in (plain, packed):
+            torch.manual_seed(3)
+            sampled.append(generate(m, prompts, 24, {"do_sample": True, "temperature": 1.0}, eos,
+                                    tokenizer.pad_token_id))
+    assert greedy[0] == greedy[1]
+    assert sampled[0][0] == sampled[1][0]
+    assert len({len(ids) for ids in sampled[0][0]}) > 1  # rows ended at different steps
+    gaps = [abs(a - b) for x, y in zip(sampled[0][1], sampled[1][1], strict=True) for a, b in zip(x, y, strict=True)]
+    assert max(gaps) < 1e-4
 
 
 def test_the_growing_cache_layer_holds_what_concatenation_holds():

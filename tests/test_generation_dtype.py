@@ -125,3 +125,23 @@ def test_loss_ratio_is_against_the_sampler(compose_cfg, tmp_path, monkeypatch, d
     for s in seen:  # PPO's ratio is over the log-probs of what sampled (the bf16 copy), as the rollout returned them
         assert torch.equal(s["old_per_token_logps"], s["sampling_per_token_logps"])
     assert len(gap) == 2 and all(0 <= g < 0.2 for g in gap) and max(gap) > 0  # bf16 rounding: small, not none
+
+
+def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.runtime import rollout
+    from grpo_pipeline.runtime.rollout import packed_generation
+
+    cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(rollout, "can_pack", lambda: True)
+    assert packed_generation(cfg) is True  # a float32 copy on a CPU
+    cfg.runtime.packed_generation = False
+    assert packed_generation(cfg) is False
+    cfg.runtime.packed_generation = None
+    cfg.model.dtype = "bfloat16"
+    assert packed_generation(cfg) is False  # not measured packed: torch's own matmul
+    monkeypatch.setattr(rollout, "can_pack", lambda: False)
+    cfg.model.dtype = "float32"
+    assert packed_generation(cfg) is False
+    cfg.runtime.packed_generation = True
+    with pytest.raises(ConfigError, match=r"runtime.packed_generation=true.*no oneDNN"):
+        packed_generation(cfg)

@@ -179,6 +179,10 @@ class RuntimeConfig:
     # null: bfloat16 for a single-turn env's float32 model on a CPU with native bf16 (AVX512-BF16/AMX), else the
     # model's own (multi-turn: measured slower in bf16).
     generation_dtype: str | None = None
+    # Hold a float32 merged copy's linear weights prepacked for oneDNN's matmul (repacked at every refresh): a CPU
+    # decode step reads the weights ~2x faster (README "What a step costs"). null: on for a float32 copy on a CPU
+    # whose torch has oneDNN; a bf16 copy keeps torch's own matmul (not measured packed).
+    packed_generation: bool | None = None
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The copy of the policy the runtime generates from: LoRA merged into plain linear layers, optionally in bf16.
+"""The copy of the policy the runtime generates from: LoRA merged into plain linear layers, optionally in bf16,
+and on a CPU with its linear layers' weights prepacked for oneDNN.
 
 Decoding a LoRA model runs two extra small matmuls (and a dropout) per adapted layer and token; on a CPU,
 where a decode step is a few dozen milliseconds, that overhead is a large share (measured in
@@ -6,9 +7,16 @@ where a decode step is a few dozen milliseconds, that overhead is a large share 
 is also bound by reading the weights (`scripts/bench_decode.py`): a bf16 copy reads half the bytes, and CPUs
 with native bf16 (AVX512-BF16, AMX) run its matmuls faster (`runtime.generation_dtype`).
 
+Prepacked weights (`PackedLinear`, `runtime.packed_generation`): a decode step multiplies a few rows by every
+weight, and torch's default CPU matmul (MKL sgemm) streams the weights from memory at ~3 GB/s there, where
+oneDNN's matmul over weights reordered once into its own blocked layout (`mkldnn._reorder_linear_weight`, what
+torch.compile's CPU freezing uses) reads them at ~6 GB/s (`scripts/bench_decode.py`). Same float32 arithmetic in
+another summation order: log-probs within ~1e-5 of the plain layers'.
+
 The copy is refreshed from the policy every time it is asked for (one small matmul per adapted layer, or one
-copy of every weight without LoRA: milliseconds), so it can never be a step stale, also after `model/` gets the
-best step's weights back. It costs one copy of the model's memory; `runtime.merged_generation` turns it off.
+copy of every weight without LoRA, plus the repacking: well under a second on SmolLM2), so it can never be a step
+stale, also after `model/` gets the best step's weights back. It costs one copy of the model's memory (two when
+packed); `runtime.merged_generation` turns it off.
 """
 
 import copy
@@ -26,9 +34,52 @@ def native_bf16() -> bool:
         return False
 
 
+def can_pack() -> bool:
+    """This torch runs oneDNN's prepacked linear (x86 and ARM CPU builds)."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        return (torch.backends.mkldnn.is_available() and ops is not None
+                and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):  # pragma: no cover - torch builds without oneDNN
+        return False
+
+
+class PackedLinear(torch.nn.Module):
+    """A Linear layer for inference whose weight is also held reordered for oneDNN's matmul. `weight` and `bias`
+    stay the layer's own parameters (shared, so a tied LM head stays tied); call `repack()` after changing them."""
+
+    ROWS_HINT = 8  # the rows oneDNN chooses its layout for; measured 8-256 alike, 1 slower (bench_decode.py)
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.repack()
+
+    def repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.ROWS_HINT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: torch.nn.Module) -> list[PackedLinear]:
+    """Every nn.Linear of `model` replaced, in place, by a PackedLinear holding the same parameters."""
+    packed = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                layer = PackedLinear(child)
+                setattr(parent, name, layer)
+                packed.append(layer)
+    return packed
+
+
 class MergedCopy:
-    def __init__(self, dtype: torch.dtype | None = None):
+    def __init__(self, dtype: torch.dtype | None = None, pack: bool = False):
         self.dtype = dtype  # None: the policy's own
+        self.pack = pack  # linear layers prepacked for oneDNN (PackedLinear): a CPU copy in float32
         self._copy = None
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []  # (policy's LoRA layer, copy's Linear)
 
@@ -41,7 +92,7 @@ class MergedCopy:
         """The model to generate with: `policy` itself unless it has LoRA adapters or generates in another dtype,
         else the refreshed copy."""
         layers = _lora_layers(policy)
-        if not layers and not self.differs(policy):
+        if not layers and not self.differs(policy) and not self.pack:
             return policy
         if self._copy is None:
             self._build(policy, layers)
@@ -51,9 +102,14 @@ class MergedCopy:
                     base = lora.base_layer.weight
                     delta = sum(lora.get_delta_weight(name) for name in lora.active_adapters if name in lora.lora_A)
                     plain.weight.copy_(base + delta if torch.is_tensor(delta) else base)
+                    if isinstance(plain, PackedLinear):
+                        plain.repack()
             else:  # every weight trains
                 for mine, theirs in zip(self._copy.parameters(), policy.parameters(), strict=True):
                     mine.copy_(theirs)
+                for layer in self._copy.modules():
+                    if isinstance(layer, PackedLinear):
+                        layer.repack()
         return self._copy
 
     def _build(self, policy, layers: dict[str, torch.nn.Module]) -> None:
@@ -66,6 +122,8 @@ class MergedCopy:
         if self.dtype is not None:
             merged.to(self.dtype)
         merged.eval().requires_grad_(False)
+        if self.pack:
+            pack_linears(merged)
         self._pairs = [(lora, merged.get_submodule(name.removeprefix(_PEFT_PREFIX))) for name, lora in layers.items()]
         self._copy = merged
 

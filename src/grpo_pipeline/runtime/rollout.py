@@ -30,7 +30,7 @@ from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
-from grpo_pipeline.runtime.merged import MergedCopy, native_bf16
+from grpo_pipeline.runtime.merged import MergedCopy, can_pack, native_bf16
 from grpo_pipeline.runtime.sampler import RowCache, cached_rows, decode, expand_cache
 from grpo_pipeline.runtime.vllm_backend import VllmBackend, vllm_in_runtime, weight_sync
 
@@ -92,7 +92,8 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
             return VllmBackend(model_dir(cfg.model), dtype=cfg.model.dtype, max_model_len=cfg.vllm.max_model_len,
                                sync=weight_sync(cfg), lora_rank=cfg.lora.r if cfg.lora.enabled else None,
                                gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.seed)
-    common = {"tools": tools, "merged_generation": merged, "sampling_dtype": dtype, "vllm": vllm}
+    common = {"tools": tools, "merged_generation": merged, "sampling_dtype": dtype, "vllm": vllm,
+              "packed": packed_generation(cfg)}
     if not multi_turn:
         tokens = cfg.generation.max_new_tokens
         return Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=tokens, max_episode_tokens=tokens, **common)
@@ -113,15 +114,30 @@ def generation_dtype(cfg, multi_turn: bool = False) -> "torch.dtype | None":
     return None if name is None or name == cfg.model.dtype else getattr(torch, name)
 
 
+def packed_generation(cfg) -> bool:
+    """runtime.packed_generation resolved: null packs where the merged copies run float32 on a CPU with oneDNN."""
+    cpu = not torch.cuda.is_available() or bool(cfg.training.use_cpu)
+    if cfg.runtime.packed_generation is None:
+        return cpu and cfg.model.dtype == "float32" and can_pack()
+    if cfg.runtime.packed_generation and not (cpu and can_pack()):
+        raise ConfigError("runtime.packed_generation=true: prepacked weights are oneDNN's CPU matmul, and this run "
+                          f"{'has no oneDNN in its torch' if cpu else 'generates on a GPU'}; use null (chosen per "
+                          "machine) or false.")
+    return bool(cfg.runtime.packed_generation)
+
+
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
-                 sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True):
+                 sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True,
+                 packed: bool = False):
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
         # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
         # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
-        self.merged = MergedCopy() if merged_generation else None
-        self.sampler = MergedCopy(sampling_dtype) if sampling_dtype is not None else self.merged
+        # `packed`: float32 copies hold their linear weights prepacked for oneDNN (merged.PackedLinear)
+        self.merged = MergedCopy(pack=packed) if merged_generation else None
+        self.sampler = (MergedCopy(sampling_dtype, pack=packed and sampling_dtype == torch.float32)
+                        if sampling_dtype is not None else self.merged)
         self._vllm_factory, self.vllm = vllm, None  # vllm: a VllmBackend factory (vllm=colocate), started lazily
         self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
