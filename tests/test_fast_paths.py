@@ -303,11 +303,11 @@ def test_merged_copy_generates_like_the_policy_and_is_never_stale(pack):
     if not pack:
         assert MergedCopy().of(model) is model
         return
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied, as SmolLM2's head is
     whole = MergedCopy(pack=True)
     copied = whole.of(model)
     assert copied is not model and torch.allclose(logits(copied), logits(model), atol=1e-5)
-    tied = model.lm_head.weight is model.get_input_embeddings().weight
-    assert (copied.lm_head.weight is copied.get_input_embeddings().weight) == tied  # a tied head stays tied
+    assert copied.lm_head.weight is copied.get_input_embeddings().weight  # the tied head stays tied
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -367,3 +367,32 @@ def test_the_growing_cache_layer_holds_what_concatenation_holds():
         assert grown.get_seq_length() == plain.get_seq_length()
         pointers.add(grown.keys.data_ptr())
     assert len(pointers) < 5  # the room moved only when it filled up or the batch changed, not at every step
+
+
+def test_packed_copy_repacks_a_tied_head_when_its_embedding_is_adapted():
+    """LoRA on the embedding of a model whose LM head is that embedding: the head's weight changes with the
+    refresh though no LoRA layer is the head's own, and its packed tensor must follow."""
+    from grpo_pipeline.runtime.merged import MergedCopy, PackedLinear, can_pack
+
+    if not can_pack():
+        pytest.skip("this torch has no oneDNN")
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
+    model.lm_head.weight = model.get_input_embeddings().weight
+    torch.manual_seed(2)
+    policy = get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"], init_lora_weights=False,
+                                              lora_dropout=0.0, task_type="CAUSAL_LM")).eval()
+    merged = MergedCopy(pack=True)
+    copied = merged.of(policy)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    merged.of(policy)
+    assert copied.lm_head.weight is copied.get_input_embeddings().weight
+    layers = [m for m in copied.modules() if isinstance(m, PackedLinear)]
+    assert copied.lm_head in layers
+    with torch.no_grad():
+        for layer in layers:  # every packed tensor holds its layer's weight as it is now
+            x = torch.randn(3, layer.in_features)
+            assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)

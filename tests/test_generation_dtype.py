@@ -84,6 +84,7 @@ def test_decode_hands_the_lm_head_a_contiguous_last_state():
 def test_default_generation_dtype_follows_the_cpu(compose_cfg, tmp_path, monkeypatch):
     from grpo_pipeline.runtime import rollout
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
     monkeypatch.setattr(rollout, "native_bf16", lambda: True)
     assert generation_dtype(cfg) == torch.bfloat16
@@ -132,6 +133,7 @@ def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatc
     from grpo_pipeline.runtime.rollout import packed_generation
 
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
     monkeypatch.setattr(rollout, "can_pack", lambda: True)
     assert packed_generation(cfg) is True  # a float32 copy on a CPU
     cfg.runtime.packed_generation = False
@@ -139,6 +141,10 @@ def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatc
     cfg.runtime.packed_generation = None
     cfg.model.dtype = "bfloat16"
     assert packed_generation(cfg) is False  # not measured packed: torch's own matmul
+    cfg.runtime.packed_generation = True
+    with pytest.raises(ConfigError, match=r"runtime.packed_generation=true.*model.dtype=bfloat16"):
+        packed_generation(cfg)  # oneDNN packs bf16 only on some CPUs: refused before any weights load
+    cfg.runtime.packed_generation = None
     monkeypatch.setattr(rollout, "can_pack", lambda: False)
     cfg.model.dtype = "float32"
     assert packed_generation(cfg) is False

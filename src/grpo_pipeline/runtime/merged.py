@@ -16,7 +16,8 @@ another summation order: log-probs within ~1e-5 of the plain layers'.
 The copy is refreshed from the policy every time it is asked for (one small matmul per adapted layer, or one
 copy of every weight without LoRA, plus the repacking: well under a second on SmolLM2), so it can never be a step
 stale, also after `model/` gets the best step's weights back. It costs one copy of the model's memory (two when
-packed); `runtime.merged_generation` turns it off.
+packed; also without LoRA, where an unpacked float32 run generates from the policy itself);
+`runtime.merged_generation` turns it off.
 """
 
 import copy
@@ -46,7 +47,10 @@ def can_pack() -> bool:
 
 class PackedLinear(torch.nn.Module):
     """A Linear layer for inference whose weight is also held reordered for oneDNN's matmul. `weight` and `bias`
-    stay the layer's own parameters (shared, so a tied LM head stays tied); call `repack()` after changing them."""
+    stay the layer's own parameters (shared, so a tied LM head stays tied); call `repack()` after changing them.
+    The packed tensor is an opaque oneDNN tensor outside the state dict: a model holding these layers cannot be
+    deep-copied or pickled, and `.to()` would move `weight` but not `packed`. Only MergedCopy's copy holds them,
+    and it is never saved, copied or moved."""
 
     ROWS_HINT = 8  # the rows oneDNN chooses its layout for; measured 8-256 alike, 1 slower (bench_decode.py)
 
@@ -82,6 +86,7 @@ class MergedCopy:
         self.pack = pack  # linear layers prepacked for oneDNN (PackedLinear): a CPU copy in float32
         self._copy = None
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []  # (policy's LoRA layer, copy's Linear)
+        self._packed: list[PackedLinear] = []  # the copy's packed layers
 
     def differs(self, policy) -> bool:
         """What generates samples from another distribution than the policy (other dtype): the trainer must then
@@ -102,14 +107,14 @@ class MergedCopy:
                     base = lora.base_layer.weight
                     delta = sum(lora.get_delta_weight(name) for name in lora.active_adapters if name in lora.lora_A)
                     plain.weight.copy_(base + delta if torch.is_tensor(delta) else base)
-                    if isinstance(plain, PackedLinear):
-                        plain.repack()
+                changed = {id(plain.weight) for _, plain in self._pairs}  # a tied LM head shares an embedding's
             else:  # every weight trains
                 for mine, theirs in zip(self._copy.parameters(), policy.parameters(), strict=True):
                     mine.copy_(theirs)
-                for layer in self._copy.modules():
-                    if isinstance(layer, PackedLinear):
-                        layer.repack()
+                changed = None
+            for layer in self._packed:
+                if changed is None or id(layer.weight) in changed:
+                    layer.repack()
         return self._copy
 
     def _build(self, policy, layers: dict[str, torch.nn.Module]) -> None:
@@ -122,8 +127,9 @@ class MergedCopy:
         if self.dtype is not None:
             merged.to(self.dtype)
         merged.eval().requires_grad_(False)
-        if self.pack:
-            pack_linears(merged)
+        first = next(merged.parameters())
+        # oneDNN packs float32 weights on any x86 CPU; bf16 only on some (packed_generation() refuses other dtypes)
+        self._packed = pack_linears(merged) if self.pack and first.dtype == torch.float32 and first.is_cpu else []
         self._pairs = [(lora, merged.get_submodule(name.removeprefix(_PEFT_PREFIX))) for name, lora in layers.items()]
         self._copy = merged
 

@@ -119,10 +119,11 @@ def packed_generation(cfg) -> bool:
     cpu = not torch.cuda.is_available() or bool(cfg.training.use_cpu)
     if cfg.runtime.packed_generation is None:
         return cpu and cfg.model.dtype == "float32" and can_pack()
-    if cfg.runtime.packed_generation and not (cpu and can_pack()):
-        raise ConfigError("runtime.packed_generation=true: prepacked weights are oneDNN's CPU matmul, and this run "
-                          f"{'has no oneDNN in its torch' if cpu else 'generates on a GPU'}; use null (chosen per "
-                          "machine) or false.")
+    if cfg.runtime.packed_generation and not (cpu and can_pack() and cfg.model.dtype == "float32"):
+        why = ("generates on a GPU" if not cpu else "has no oneDNN in its torch" if not can_pack()
+               else f"runs model.dtype={cfg.model.dtype} (packed here: float32 only)")
+        raise ConfigError(f"runtime.packed_generation=true: prepacked weights are oneDNN's CPU matmul, and this run "
+                          f"{why}; use null (chosen per machine) or false.")
     return bool(cfg.runtime.packed_generation)
 
 
