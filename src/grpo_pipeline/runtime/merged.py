@@ -105,15 +105,14 @@ class MergedCopy:
             if layers:  # only the adapters train
                 for lora, plain in self._pairs:
                     base = lora.base_layer.weight
-                    delta = sum(lora.get_delta_weight(name) for name in lora.active_adapters if name in lora.lora_A)
+                    delta = sum(lora.get_delta_weight(name) for name in lora.active_adapters if _has_adapter(lora, name))
                     plain.weight.copy_(base + delta if torch.is_tensor(delta) else base)
-                changed = {id(plain.weight) for _, plain in self._pairs}  # a tied LM head shares an embedding's
+                    if isinstance(plain, PackedLinear):
+                        plain.repack()
             else:  # every weight trains
                 for mine, theirs in zip(self._copy.parameters(), policy.parameters(), strict=True):
                     mine.copy_(theirs)
-                changed = None
-            for layer in self._packed:
-                if changed is None or id(layer.weight) in changed:
+                for layer in self._packed:
                     layer.repack()
         return self._copy
 
@@ -121,6 +120,7 @@ class MergedCopy:
         merged = copy.deepcopy(policy)
         if layers:
             merged = merged.merge_and_unload()
+            _untie_adapted_head(policy, merged, layers)
         # TRL patches the policy's forward (fused LM head) with a closure over the *original* model: the copy must
         # run its own class's forward
         merged.__dict__.pop("forward", None)
@@ -132,6 +132,23 @@ class MergedCopy:
         self._packed = pack_linears(merged) if self.pack and first.dtype == torch.float32 and first.is_cpu else []
         self._pairs = [(lora, merged.get_submodule(name.removeprefix(_PEFT_PREFIX))) for name, lora in layers.items()]
         self._copy = merged
+
+
+def _has_adapter(lora, name: str) -> bool:
+    """The LoRA layer holds adapter `name` (an adapted embedding keeps its matrices in lora_embedding_A/B)."""
+    return name in lora.lora_A or name in getattr(lora, "lora_embedding_A", {})
+
+
+def _untie_adapted_head(policy, merged, layers: dict[str, torch.nn.Module]) -> None:
+    """An LM head tied to an embedding that LoRA adapts reads the embedding's base weight in the policy (the adapter
+    applies to the lookup only), but merging writes the delta into the shared tensor: the copy's head gets its own
+    frozen copy of the base weight instead."""
+    head = policy.get_output_embeddings()
+    for lora in layers.values():
+        base = getattr(lora, "base_layer", None)
+        if isinstance(base, torch.nn.Embedding) and head is not None and getattr(head, "weight", None) is base.weight:
+            merged.get_output_embeddings().weight = torch.nn.Parameter(base.weight.detach().clone(),
+                                                                       requires_grad=False)
 
 
 def _lora_layers(model) -> dict[str, torch.nn.Module]:
