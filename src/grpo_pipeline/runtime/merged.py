@@ -10,7 +10,8 @@ with native bf16 (AVX512-BF16, AMX) run its matmuls faster (`runtime.generation_
 Prepacked weights (`PackedLinear`, `runtime.packed_generation`): a decode step multiplies a few rows by every
 weight, and torch's default CPU matmul (MKL sgemm) streams the weights from memory at ~3 GB/s there, where
 oneDNN's matmul over weights reordered once into its own blocked layout (`mkldnn._reorder_linear_weight`, what
-torch.compile's CPU freezing uses) reads them at ~6 GB/s (`scripts/bench_decode.py`). Same float32 arithmetic in
+torch.compile's CPU freezing uses) reads them at ~6 GB/s: a decode step of 8 rows 1.40-1.45x faster
+(`scripts/bench_decode.py`; with 32 rows and a 500-token KV cache, ~1x). Same float32 arithmetic in
 another summation order: log-probs within ~1e-5 of the plain layers'.
 
 The copy is refreshed from the policy every time it is asked for (one small matmul per adapted layer, or one
