@@ -109,14 +109,13 @@ def generation_dtype(cfg, multi_turn: bool = False) -> "torch.dtype | None":
     "Measured"); the model's own otherwise (a multi-turn env=hotel step measured slower in bf16, cause not found)."""
     name = cfg.runtime.generation_dtype
     if name is None:
-        cpu = not torch.cuda.is_available() or cfg.training.use_cpu
-        name = "bfloat16" if cpu and not multi_turn and cfg.model.dtype == "float32" and native_bf16() else None
+        name = "bfloat16" if _cpu_run(cfg) and not multi_turn and cfg.model.dtype == "float32" and native_bf16() else None
     return None if name is None or name == cfg.model.dtype else getattr(torch, name)
 
 
 def packed_generation(cfg) -> bool:
     """runtime.packed_generation resolved: null packs where the merged copies run float32 on a CPU with oneDNN."""
-    cpu = not torch.cuda.is_available() or bool(cfg.training.use_cpu)
+    cpu = _cpu_run(cfg)
     if cfg.runtime.packed_generation is None:
         return cpu and cfg.model.dtype == "float32" and can_pack()
     if cfg.runtime.packed_generation and not (cpu and can_pack() and cfg.model.dtype == "float32"):
@@ -127,6 +126,11 @@ def packed_generation(cfg) -> bool:
     return bool(cfg.runtime.packed_generation)
 
 
+def _cpu_run(cfg) -> bool:
+    """The run trains and generates on the CPU (no GPU, or training.use_cpu)."""
+    return not torch.cuda.is_available() or bool(cfg.training.use_cpu)
+
+
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
@@ -135,10 +139,10 @@ class Rollout:
         self.env, self.tokenizer, self.runner = env, tokenizer, runner
         # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
         # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
-        # `packed`: float32 copies hold their linear weights prepacked for oneDNN (merged.PackedLinear)
+        # `packed`: float32 copies hold their linear weights prepacked for oneDNN (merged.PackedLinear; a copy in
+        # another dtype stays unpacked)
         self.merged = MergedCopy(pack=packed) if merged_generation else None
-        self.sampler = (MergedCopy(sampling_dtype, pack=packed and sampling_dtype == torch.float32)
-                        if sampling_dtype is not None else self.merged)
+        self.sampler = MergedCopy(sampling_dtype, pack=packed) if sampling_dtype is not None else self.merged
         self._vllm_factory, self.vllm = vllm, None  # vllm: a VllmBackend factory (vllm=colocate), started lazily
         self.multi_turn = callable(getattr(env, "respond", None))
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
