@@ -19,13 +19,13 @@ import warnings
 
 import torch
 
-from grpo_pipeline.runtime.sampler import _growing
+from grpo_pipeline.runtime.sampler import growing_cache
 
 
 def step_ms(model, rows: int, context: int, repeats: int) -> float:
     ids = torch.randint(100, 1000, (rows, context))
     with torch.no_grad():
-        cache = _growing(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)  # as the runtime
+        cache = growing_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)  # as the runtime
         token = torch.randint(100, 1000, (rows, 1))
         times = []
         for _ in range(repeats):

@@ -39,7 +39,8 @@ def run_seed(seed: int, overrides: list[str], out: Path) -> dict:
     flat = _metric(r.mlflow_run_id, "frac_reward_zero_std")
     return {
         "seed": seed, "before": r.eval_before["mean_reward"], "after": r.eval_after["mean_reward"],
-        "gain": r.eval_after["mean_reward"] - r.eval_before["mean_reward"],
+        "gain": r.eval_after["mean_reward"] - r.eval_before["mean_reward"], "gain_se": r.eval_after.get("gain_se"),
+        "test_prompts": r.eval_after["num_prompts"],
         "success_before": r.eval_before["success_rate"], "success_after": r.eval_after["success_rate"],
         "best_step": r.best_step, "best_val": r.best_val, "last_val": r.last_val, "steps": r.steps,
         "flat_groups": statistics.fmean(flat) if flat else None,
@@ -73,16 +74,17 @@ def main() -> None:
 def print_table(rows: list[dict], overrides: list[str]) -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads; overrides: {overrides}")
-    print(f"{'seed':>4} | {'test mean reward':>17} | {'gain':>6} | {'success':>11} | best step (val) | last val | "
-          f"flat | train s | val s | other s | total s")
+    print(f"{'seed':>4} | {'test mean reward':>17} | {'gain (+- SE)':>14} | {'success':>11} | best step (val) | "
+          f"last val | flat | train s | val s | other s | total s")
     for r in rows:
-        print(f"{r['seed']:>4} | {r['before']:>7.3f} -> {r['after']:<6.3f} | {r['gain']:+.3f} | "
+        print(f"{r['seed']:>4} | {r['before']:>7.3f} -> {r['after']:<6.3f} | {r['gain']:+.3f} +- {r['gain_se'] or 0:.3f} | "
               f"{r['success_before']:.2f} -> {r['success_after']:.2f} | {r['best_step']!s:>4} ({r['best_val'] or 0:.3f})"
               f"    | {r['last_val'] or 0:.3f}    | {r['flat_groups'] or 0:.2f} | {r['train_s']:>7.0f} | "
               f"{r['val_s']:>5.0f} | {r['other_s']:>7.0f} | {r['wall_s']:>7.0f}")
     gains = [r["gain"] for r in rows]
     std = statistics.stdev(gains) if len(gains) > 1 else 0.0
-    print(f"gain over {len(gains)} seeds: mean {statistics.fmean(gains):+.3f}, std {std:.3f}, min {min(gains):+.3f} "
+    print(f"{rows[0]['test_prompts']} test prompts; gain over {len(gains)} seeds: mean {statistics.fmean(gains):+.3f}, "
+          f"std {std:.3f}, min {min(gains):+.3f} "
           f"(goal: mean >= +0.35, every seed >= +0.25); success after: mean "
           f"{statistics.fmean(r['success_after'] for r in rows):.2f}")
 

@@ -1,5 +1,7 @@
 """HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side;
-and the HF loop from its copy with prepacked weights (the default on a CPU) vs plain torch layers (`unpacked`).
+and the HF loop from its copy with prepacked weights (the default on a CPU) vs plain torch layers (`unpacked`);
+and, for rollouts, transformers' own `model.generate` (`generate`: the merged copy in plain torch layers, every
+turn prefilled from the start, no shared-prefix or turn cache: what "HF generate" means outside this runtime).
 
 vLLM gets the policy both ways `vllm.weight_sync` offers: its weights (LoRA merged) loaded in place before each
 rollout (`weights`), or the adapter as a LoRARequest (`adapter`). Runs in the CPU vLLM venv
@@ -18,6 +20,7 @@ after a warm-up, the weight push included; the backends alternate.
 """
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -44,35 +47,41 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; SmolLM2-135M + LoRA r=16")
     print(f"{'part':<34} | {'HF decode':>10} | {'HF unpacked':>12} | {'vLLM weights':>12} | {'vLLM adapter':>12} | "
-          "unpacked / HF; HF / vLLM (weights, adapter)")
+          f"{'generate':>10} | unpacked / HF; HF / vLLM (weights, adapter); generate / HF")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
                              ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
         _row(name, _rollouts(env, batch, args.repeats, args.modes))
     if args.steps > 1:
         for env in args.step_envs:
-            _row(f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes})
+            _row(f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes
+                                        if mode != "generate"})
 
 
-# vllm=off (HF decode loop; `unpacked`: its copy without prepacked weights), vllm=colocate with each vllm.weight_sync
-MODES = ("off", "unpacked", "weights", "adapter")
+# vllm=off (HF decode loop; `unpacked`: its copy without prepacked weights), vllm=colocate with each vllm.weight_sync,
+# `generate`: transformers' model.generate (rollouts only)
+MODES = ("off", "unpacked", "weights", "adapter", "generate")
+SLOWER = ("unpacked", "generate")  # HF ways slower than the default loop: their ratio is theirs / off
 
 
 def _overrides(mode: str) -> list[str]:
-    if mode in ("off", "unpacked"):
-        return ["vllm=off", f"runtime.packed_generation={'false' if mode == 'unpacked' else 'null'}"]
+    if mode in ("off", "unpacked", "generate"):
+        return ["vllm=off", f"runtime.packed_generation={'null' if mode == 'off' else 'false'}"]
     return ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
 
 def _cells(values: dict[str, float], fmt: str, unit: str) -> str:
     """One table cell per mode, in MODES' order and the header's widths; '-' for a mode not run."""
     return " | ".join(f"{values[m]:>{w}{fmt}}{unit}" if m in values else " " * w + "-"
-                      for m, w in zip(MODES, (9, 11, 11, 11), strict=True))
+                      for m, w in zip(MODES, (9, 11, 11, 11, 9), strict=True))
 
 
 def _row(name: str, seconds: dict[str, float]) -> None:
-    """Ratios to `off` (the default HF loop): unpacked / off (what packing saves), then off / vLLM per weight sync."""
-    ratios = [(f"{seconds[m] / seconds['off']:.2f}x" if m == "unpacked" else f"{seconds['off'] / seconds[m]:.2f}x")
+    """Ratios to `off` (the default HF loop): unpacked / off and generate / off (what the loop's fast paths save),
+    off / vLLM per weight sync; and generate / vLLM (vLLM against transformers' own generate)."""
+    ratios = [(f"{seconds[m] / seconds['off']:.2f}x" if m in SLOWER else f"{seconds['off'] / seconds[m]:.2f}x")
               if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
+    ratios += [f"generate/{m} {seconds['generate'] / seconds[m]:.2f}x" for m in ("weights", "adapter")
+               if "generate" in seconds and m in seconds]
     print(f"{name:<34} | {_cells(seconds, '.2f', 's')} | {', '.join(ratios)}", flush=True)
 
 
@@ -91,6 +100,8 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
         runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation),
                                group_size=cfg.generation.num_generations)
         rollout = make_rollout(cfg, env, tokenizer, runner, tools)
+        if mode == "generate":
+            rollout.reuse_cache = False  # every turn prefilled from the start, as generate() does
         runs[mode] = (rollout, cfg)
     from peft import LoraConfig, get_peft_model
 
@@ -110,7 +121,8 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
     def timed(mode, repeat):
         torch.manual_seed(repeat)  # the HF loops (packed or not) then sample the same tokens in a repeat
         started = time.perf_counter()
-        trajs = runs[mode][0].run(policy, prompts, rows, sample)
+        with _hf_generate(mode == "generate"):
+            trajs = runs[mode][0].run(policy, prompts, rows, sample)
         tokens[mode].append(sum(sum(t.env_mask) for t in trajs))
         return time.perf_counter() - started
 
@@ -124,7 +136,48 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
         rollout.close()
     print(f"{'  tokens sampled per rollout':<34} | " + _cells({m: statistics.mean(t) for m, t in tokens.items()},
                                                               ".0f", " "))
+    # the sides sample their own episodes, and a rollout of few prompts varies in length: also per token
+    print(f"{'  ms per sampled token':<34} | " + _cells(
+        {m: 1e3 * sum(times[m]) / sum(tokens[m][1:]) for m in modes}, ".1f", " "))
     return {mode: statistics.median(times[mode]) for mode in modes}
+
+
+@contextlib.contextmanager
+def _hf_generate(on: bool):
+    """With `on`, the runtime's turns sampled by transformers' model.generate instead of its own decode loop."""
+    from grpo_pipeline.runtime import rollout
+
+    own = rollout.generate
+    if on:
+        rollout.generate = _generate
+    try:
+        yield
+    finally:
+        rollout.generate = own
+
+
+def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefix=None, with_logprobs=True,
+              caches=None, snapshots=None):
+    """rollout.generate's contract through model.generate: left-padded batch, the sampled tokens' log-probs from
+    generate's processed scores (logits / temperature, as the loop takes them), cut after the first eos."""
+    from grpo_pipeline.runtime.sampler import _cut_at_eos
+
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
+    sample = bool(sampling.get("do_sample"))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
+                         temperature=float(sampling.get("temperature") or 1.0) if sample else None,
+                         top_k=int(sampling.get("top_k") or 0) if sample else None,
+                         top_p=float(sampling.get("top_p") or 1.0) if sample else None,
+                         eos_token_id=list(eos_ids), pad_token_id=pad_id, output_scores=with_logprobs,
+                         return_dict_in_generate=True)
+    new = out.sequences[:, width:]
+    logps = (torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).gather(-1, new[..., None])
+             .squeeze(-1).tolist() if with_logprobs else [[0.0] * new.size(1)] * new.size(0))
+    return _cut_at_eos(new.tolist(), logps, eos_ids)
 
 
 def _step_time(env_name: str, mode: str, steps: int) -> float:

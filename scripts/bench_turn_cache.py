@@ -41,7 +41,7 @@ def main() -> None:
     from grpo_pipeline.runtime.episodes import EpisodeRunner
     from grpo_pipeline.runtime.rollout import make_rollout
 
-    growing = sampler._growing
+    growing = sampler.growing_cache
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
           f"threads; env=hotel, {args.episodes} episodes; median of {args.repeats} after a warm-up")
@@ -70,7 +70,7 @@ def main() -> None:
 
         def timed(mode: str, rollout=rollout, prompts=prompts, rows=rows, sample=sample):
             rollout.reuse_cache = mode == "grow+keep"
-            sampler._growing = growing if mode != "before" else (lambda cache: cache)
+            sampler.growing_cache = growing if mode != "before" else (lambda cache: cache)
             decode.mode = mode
             fed[mode].clear()
             torch.manual_seed(0)
@@ -91,7 +91,7 @@ def main() -> None:
         print(f"{dtype:<9} | {t['before']:>7.2f}s | {t['grow']:>7.2f}s | {t['grow+keep']:>8.2f}s | "
               f"{t['before'] / t['grow+keep']:>17.2f}x | {same:>4} of {args.episodes}    | "
               f"{sum(fed['grow+keep'][1:])} vs {sum(fed['before'][1:])}")
-    sampler._growing = growing
+    sampler.growing_cache = growing
 
 
 def _count_fed(fed: dict[str, list[int]]):

@@ -30,7 +30,7 @@ from grpo_pipeline.envs.loader import (
     load_env,
 )
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.evaluation import Split, evaluate, split_heldout
+from grpo_pipeline.evaluation import Split, evaluate, paired_gain, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.redact import mask_credentials, redact_log_records
@@ -134,7 +134,13 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                                   f"{model_path}.", 128 + stop.signum)
         if split.test is not None and cfg.eval.after and is_main:
             eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/: the best validation step's
+            if eval_before is not None:  # the same prompts, in the same order: the gain and its standard error
+                gain, se = paired_gain(eval_before["scores"], eval_after["scores"])
+                eval_after |= {"gain": round(gain, 4), "gain_se": round(se, 4)}
             log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
+        for metrics in (eval_before, eval_after):  # per-prompt scores: in the ledger, not in summary.json
+            if metrics is not None:
+                metrics.pop("scores", None)
         if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:
             merged = trainer.model.merge_and_unload()
             merged.save_pretrained(run_dir / "model_merged")

@@ -26,7 +26,7 @@ class ArithmeticEnv:
 
     def __init__(
         self,
-        num_samples: int = 600,
+        num_samples: int = 2000,
         min_value: int = 10,
         max_value: int = 99,
         operations: list[str] | tuple[str, ...] = ("+",),

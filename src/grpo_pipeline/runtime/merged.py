@@ -100,8 +100,9 @@ class MergedCopy:
         layers = _lora_layers(policy)
         if not layers and not self.differs(policy) and not self.pack:
             return policy
-        if self._copy is None:
+        if self._copy is None:  # built from the policy as it is now: merged (and packed) already
             self._build(policy, layers)
+            return self._copy
         with torch.no_grad():
             if layers:  # only the adapters train
                 for lora, plain in self._pairs:

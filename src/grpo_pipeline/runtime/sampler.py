@@ -51,7 +51,7 @@ def decode(model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, sa
         kwargs = {CACHE_KWARG: cache} if cache is not None else {}
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, use_cache=True,
                     logits_to_keep=last_position(step_ids), **kwargs)
-        cache = _growing(getattr(out, "cache", None) or out.past_key_values)
+        cache = growing_cache(getattr(out, "cache", None) or out.past_key_values)
         logits = out.logits[:, -1, :].float()
         if do_sample:
             scaled = logits / temperature
@@ -162,7 +162,7 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _growing(cache):
+def growing_cache(cache):
     """The cache with its plain DynamicLayers turned into GrowingLayers (in place; other layer kinds untouched)."""
     for layer in getattr(cache, "layers", ()):
         if type(layer) is DynamicLayer:
