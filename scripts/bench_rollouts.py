@@ -159,7 +159,8 @@ def _hf_generate(on: bool):
 def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefix=None, with_logprobs=True,
               caches=None, snapshots=None):
     """rollout.generate's contract through model.generate: left-padded batch, the sampled tokens' log-probs from
-    generate's processed scores (logits / temperature, as the loop takes them), cut after the first eos."""
+    generate's raw logits / temperature (as the loop takes them, before top-k/top-p), cut after the first eos. The
+    rollout still builds its shared-prefix cache (one prefill of the prefix per rollout), which this ignores."""
     from grpo_pipeline.runtime.sampler import _cut_at_eos
 
     width = max(len(s) for s in sequences)
@@ -167,15 +168,17 @@ def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefi
     mask = torch.zeros_like(ids)
     for i, s in enumerate(sequences):
         ids[i, width - len(s):], mask[i, width - len(s):] = torch.tensor(s), 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     sample = bool(sampling.get("do_sample"))
+    temperature = float(sampling.get("temperature") or 1.0) if sample else 1.0
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
                          temperature=float(sampling.get("temperature") or 1.0) if sample else None,
                          top_k=int(sampling.get("top_k") or 0) if sample else None,
                          top_p=float(sampling.get("top_p") or 1.0) if sample else None,
-                         eos_token_id=list(eos_ids), pad_token_id=pad_id, output_scores=with_logprobs,
+                         eos_token_id=list(eos_ids), pad_token_id=pad_id, output_logits=with_logprobs,
                          return_dict_in_generate=True)
     new = out.sequences[:, width:]
-    logps = (torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).gather(-1, new[..., None])
+    logps = (torch.stack([torch.log_softmax(x.float() / temperature, -1) for x in out.logits], 1).gather(-1, new[..., None])
              .squeeze(-1).tolist() if with_logprobs else [[0.0] * new.size(1)] * new.size(0))
     return _cut_at_eos(new.tolist(), logps, eos_ids)
 

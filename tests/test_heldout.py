@@ -16,7 +16,7 @@ from grpo_pipeline.config.schema import EvalConfig
 from grpo_pipeline.envs.arithmetic import ArithmeticEnv
 from grpo_pipeline.envs.hotel import HotelEnv
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.evaluation import split_heldout
+from grpo_pipeline.evaluation import paired_gain, split_heldout
 from grpo_pipeline.models import build_tiny_tokenizer
 from grpo_pipeline.validation import trainable_state
 
@@ -141,3 +141,54 @@ def test_validation_does_not_change_the_training_trajectory(compose_cfg, tmp_pat
     # the last weights are the same (with validation, model/ holds the best step's: compare model-last)
     last = load_file(str(tmp_path / "every1" / "run" / "model-last" / "adapter_model.safetensors"))
     assert all(torch.equal(curves[0][1][k], last[k]) for k in last)
+
+
+def test_paired_gain_is_the_mean_per_prompt_change_with_its_standard_error():
+    gain, se = paired_gain([0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.5])  # changes 1, 0, 0, -0.5
+    assert gain == pytest.approx(0.125) and se == pytest.approx((1.1875 / 3) ** 0.5 / 2)
+    assert paired_gain([0.2, 0.4], [0.4, 0.6]) == pytest.approx((0.2, 0.0))  # the same change everywhere: no doubt
+    assert paired_gain([0.5], [1.0]) == (0.5, None)  # one prompt: no error to estimate
+    with pytest.raises(ValueError, match="the same prompts scored twice, got 2 and 3"):
+        paired_gain([0.1, 0.2], [0.1, 0.2, 0.3])
+
+
+def test_the_automatic_test_set_grows_with_the_data_up_to_200_prompts():
+    def sizes(n):
+        split = split_heldout(Dataset.from_list([{"prompt": f"Q{i}"} for i in range(n)]),
+                              EvalConfig(enabled=True, every_steps=5), "Env")
+        return len(split.test), len(split.val), len(split.train)
+
+    assert sizes(600) == (60, 32, 508) and sizes(2500) == (200, 32, 2268)
+    env = ArithmeticEnv()  # the default run's env: 2000 distinct sums, 200 of them the test set
+    assert len(set(map(str, env.build_dataset(build_tiny_tokenizer())["prompt"]))) == 2000
+
+
+class ScriptedTest(ScriptedValidation):
+    """Replaces evaluate(): the test set's per-prompt scores, before then after training, from a script."""
+
+    def __init__(self, before, after):
+        super().__init__([])
+        self.tests = [list(before), list(after)]
+
+    def __call__(self, model, tokenizer, runner, dataset, *args, **kwargs):
+        result = self.real(model, tokenizer, runner, dataset, *args, **kwargs)
+        if len(dataset) == 4:  # the test set (eval.num_prompts=4)
+            result["scores"] = self.tests.pop(0)
+            result["mean_reward"] = sum(result["scores"]) / 4
+        return result
+
+
+def test_the_held_out_gain_and_its_standard_error_reach_the_summary_and_mlflow(compose_cfg, tmp_path, monkeypatch):
+    before, after = [0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.5]
+    monkeypatch.setattr(recipe, "evaluate", ScriptedTest(before, after))
+    result = recipe.train(compose_cfg(_validated(tmp_path, "eval.every_steps=0", "training.max_steps=1")),
+                          launch_dir=str(tmp_path), env=VariedEnv())
+    gain, se = paired_gain(before, after)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_after"]["gain"] == pytest.approx(gain, abs=1e-4) == result.eval_after["gain"]
+    assert summary["eval_after"]["gain_se"] == pytest.approx(se, abs=1e-4) and se > 0
+    assert "scores" not in summary["eval_before"] and "scores" not in summary["eval_after"]  # per prompt: the ledger's
+    from grpo_pipeline.tracking import metric_history
+
+    logged = metric_history(f"sqlite:///{tmp_path}/mlflow.db", result.mlflow_run_id, "eval_after/gain_se")
+    assert logged == [pytest.approx(se, abs=1e-4)]

@@ -23,7 +23,7 @@ import numpy as np
 from grpo_pipeline.redact import mask_credentials
 from grpo_pipeline.tracking import default_tracking_uri
 
-COLUMNS = ("run", "status", "final reward", "held-out after", "kl", "wall s", "error")
+COLUMNS = ("run", "status", "final reward", "held-out after", "gain", "gain se", "kl", "wall s", "error")
 
 
 def collect(client, target: str) -> tuple[list, str | None]:
@@ -53,6 +53,8 @@ def rows(runs, metric: str) -> list[dict]:
             "status": r.info.status,
             "final reward": m.get("reward"),
             "held-out after": m.get("eval_after/mean_reward"),
+            "gain": m.get("eval_after/gain"),
+            "gain se": m.get("eval_after/gain_se"),
             "kl": m.get("kl"),
             "wall s": (end - r.info.start_time) / 1000 if end else None,
             "error": (r.data.tags.get("error") or "").strip().split("\n")[0] or None,

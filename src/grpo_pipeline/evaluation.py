@@ -177,11 +177,12 @@ class preserved_rng:
         return False
 
 
-def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float | None]:
     """The mean per-prompt change of score from `before` to `after` (the same prompts, in the same order), and its
-    standard error: a gain measured on few prompts is a rough estimate, and this says how rough."""
+    standard error (None for a single prompt): a gain measured on few prompts is a rough estimate, and this says
+    how rough."""
     if len(before) != len(after) or not before:
         raise ValueError(f"paired_gain needs the same prompts scored twice, got {len(before)} and {len(after)} scores")
     diffs = [a - b for b, a in zip(before, after, strict=True)]
-    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
     return statistics.fmean(diffs), se

@@ -136,9 +136,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/: the best validation step's
             if eval_before is not None:  # the same prompts, in the same order: the gain and its standard error
                 gain, se = paired_gain(eval_before["scores"], eval_after["scores"])
-                eval_after |= {"gain": round(gain, 4), "gain_se": round(se, 4)}
+                eval_after |= {"gain": round(gain, 4), "gain_se": None if se is None else round(se, 4)}
             log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
-        for metrics in (eval_before, eval_after):  # per-prompt scores: in the ledger, not in summary.json
+        for metrics in (eval_before, eval_after):  # per-prompt scores: not in summary.json (the ledger has them)
             if metrics is not None:
                 metrics.pop("scores", None)
         if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:

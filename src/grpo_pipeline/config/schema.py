@@ -203,7 +203,7 @@ class EvalConfig:
     # before and after training: the number to report), a validation set (scored every `every_steps` during
     # training; it picks the best model) and the rest, which is trained on. No prompt is on two sides.
     enabled: bool = False
-    # Test prompts. null: 10% of the unique prompts, at most 50; a set under 5 prompts is not held out.
+    # Test prompts. null: 10% of the unique prompts, at most 200; a set under 5 prompts is not held out.
     num_prompts: int | None = None
     # Validation prompts. null: 10% of the unique prompts, at most 32, held out only with every_steps > 0.
     val_prompts: int | None = None
