@@ -1,7 +1,8 @@
 """Does the embedded default learn, on every seed? Runs the default config (SmolLM2-135M, arithmetic, LoRA)
 once per seed and prints, per seed and as mean / std / min: held-out test mean reward and success rate
-before -> after (the weights in model/, i.e. the best validation step's), the best and last validation
-scores, the share of flat groups, and wall time split into training, validation and test evaluation.
+before -> after (the weights in model/: the best validation step's if it clearly beat the last, else the
+last; `model` is that step), the best and last validation scores, the share of flat groups, and wall time
+split into training, validation and test evaluation.
 
     .venv/bin/python scripts/bench_learning.py                      # seeds 0-4, the default config
     .venv/bin/python scripts/bench_learning.py --seeds 5 6 -- training.learning_rate=5e-4
@@ -43,6 +44,7 @@ def run_seed(seed: int, overrides: list[str], out: Path) -> dict:
         "test_prompts": r.eval_after["num_prompts"],
         "success_before": r.eval_before["success_rate"], "success_after": r.eval_after["success_rate"],
         "best_step": r.best_step, "best_val": r.best_val, "last_val": r.last_val, "steps": r.steps,
+        "model_step": r.model_step,
         "flat_groups": statistics.fmean(flat) if flat else None,
         "train_s": r.train_seconds - r.eval_seconds, "val_s": r.eval_seconds,
         "other_s": wall - r.train_seconds, "wall_s": wall,  # other: test evaluations, loading, saving
@@ -75,11 +77,12 @@ def print_table(rows: list[dict], overrides: list[str]) -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{torch.get_num_threads()} torch threads; overrides: {overrides}")
     print(f"{'seed':>4} | {'test mean reward':>17} | {'gain (+- SE)':>14} | {'success':>11} | best step (val) | "
-          f"last val | flat | train s | val s | other s | total s")
+          f"last val | model | flat | train s | val s | other s | total s")
     for r in rows:
         print(f"{r['seed']:>4} | {r['before']:>7.3f} -> {r['after']:<6.3f} | {r['gain']:+.3f} +- {r['gain_se'] or 0:.3f} | "
               f"{r['success_before']:.2f} -> {r['success_after']:.2f} | {r['best_step']!s:>4} ({r['best_val'] or 0:.3f})"
-              f"    | {r['last_val'] or 0:.3f}    | {r['flat_groups'] or 0:.2f} | {r['train_s']:>7.0f} | "
+              f"    | {r['last_val'] or 0:.3f}    | {r.get('model_step')!s:>5} | {r['flat_groups'] or 0:.2f} | "
+              f"{r['train_s']:>7.0f} | "
               f"{r['val_s']:>5.0f} | {r['other_s']:>7.0f} | {r['wall_s']:>7.0f}")
     gains = [r["gain"] for r in rows]
     std = statistics.stdev(gains) if len(gains) > 1 else 0.0

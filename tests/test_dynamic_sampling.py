@@ -24,7 +24,7 @@ def _out(advantages: list[float], size: int) -> dict:
 
 
 def _select(advantages, size=2, keep=4):
-    fake = SimpleNamespace(num_generations=size, train_completions=keep,
+    fake = SimpleNamespace(num_generations=size, train_completions=keep, flat_negative=0.0,
                            _metrics={"train": {"dynamic_sampling/groups_sampled": [],
                                                "dynamic_sampling/groups_trained": []}})
     fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)  # no rewards: advantages
@@ -54,7 +54,7 @@ def test_flatness_is_read_from_the_rewards_not_the_advantages():
     # only other completion was scored by no reward function is flat (TRL gives the unscored one advantage 0)
     advantages = [5e-5, -5e-5, 2e-3, -2e-3, 0.5, -0.5]
     fake = SimpleNamespace(num_generations=2, train_completions=4, reward_weights=torch.tensor([1.0, 1.0]),
-                           args=SimpleNamespace(multi_objective_aggregation="sum_then_normalize"),
+                           args=SimpleNamespace(multi_objective_aggregation="sum_then_normalize"), flat_negative=0.0,
                            _logs={"rewards": {"a": [0.3, 0.3001, 0.1, 0.1, 0.7, float("nan")],
                                               "b": [0.0, 0.0, 0.1, 0.1, 0.0, float("nan")]}},
                            _metrics={"train": {"dynamic_sampling/groups_sampled": [],
@@ -66,6 +66,68 @@ def test_flatness_is_read_from_the_rewards_not_the_advantages():
     fake._logs["rewards"] = {"a": [0.2] * 6, "b": [0.1] * 6}  # nothing differs: one group, advantages exactly 0
     out = PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, 2))
     assert out["advantages"].tolist() == [0.0, 0.0] and out["prompt_ids"][:, 0].tolist() == [0, 1]
+
+
+# --- negative sample reinforcement for flat groups (generation.flat_negative) -------------------------------------
+
+def _negative_fake(rewards: list[float], flat_negative: float, scale_rewards: str = "group"):
+    fake = SimpleNamespace(num_generations=2, train_completions=4, reward_weights=torch.tensor([1.0]),
+                           args=SimpleNamespace(multi_objective_aggregation="sum_then_normalize"),
+                           flat_negative=flat_negative, scale_rewards=scale_rewards,
+                           _metrics={"train": {k: [] for k in ("dynamic_sampling/groups_sampled",
+                                                               "dynamic_sampling/groups_trained",
+                                                               "dynamic_sampling/groups_negative")}})
+    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)
+    fake._negative_flat_groups = lambda *a: PipelineTrainer._negative_flat_groups(fake, *a)
+    return fake
+
+
+def test_free_slots_go_to_flat_groups_below_the_step_mean_with_a_negative_advantage():
+    # groups of 2: right everywhere (flat, above the mean) | spread | wrong everywhere | wrong everywhere; the batch
+    # holds 2 groups: the one with spread, then the first flat group below the mean (sampling order)
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    logs = {"rewards": {"r": list(rewards)}, "advantages": [0.0, 0.0, 0.7, -0.7, 0.0, 0.0, 0.0, 0.0]}
+    fake = _negative_fake(rewards, flat_negative=0.5)
+    out = PipelineTrainer._keep_groups_with_spread(fake, _out(logs["advantages"], 2), None, logs)
+    step = torch.tensor(rewards, dtype=torch.float64)
+    expected = 0.5 * (0.0 - step.mean().item()) / (step.std().item() + 1e-4)  # -0.5 x 0.375 / 0.5176
+    assert out["prompt_ids"][:, 0].tolist() == [2, 3, 4, 5]
+    assert out["advantages"].tolist() == pytest.approx([0.7, -0.7, expected, expected])
+    assert expected == pytest.approx(-0.3622, abs=1e-4)
+    assert out["num_items_in_batch"].item() == out["completion_mask"].sum().item()
+    assert logs["advantages"][4:6] == pytest.approx([expected] * 2) and logs["advantages"][6:] == [0.0, 0.0]
+    metrics = fake._metrics["train"]
+    assert metrics["dynamic_sampling/groups_trained"] == [1.0] and metrics["dynamic_sampling/groups_negative"] == [1.0]
+
+
+def test_flat_negative_leaves_full_batches_and_groups_at_or_above_the_mean_alone():
+    # two groups with spread fill the batch: the flat wrong group is not trained
+    rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    logs = {"rewards": {"r": list(rewards)}, "advantages": [0.7, -0.7, 0.7, -0.7, 0.0, 0.0]}
+    out = PipelineTrainer._keep_groups_with_spread(_negative_fake(rewards, 1.0), _out(logs["advantages"], 2),
+                                                   None, logs)
+    assert out["prompt_ids"][:, 0].tolist() == [0, 1, 2, 3]
+    # every completion of the step scored the same: nothing is below the mean; one group with advantages 0
+    rewards = [0.5] * 4
+    logs = {"rewards": {"r": list(rewards)}, "advantages": [0.0] * 4}
+    fake = _negative_fake(rewards, 1.0)
+    out = PipelineTrainer._keep_groups_with_spread(fake, _out(logs["advantages"], 2), None, logs)
+    assert out["advantages"].tolist() == [0.0, 0.0] and fake._metrics["train"]["dynamic_sampling/groups_negative"] == [0.0]
+    # scale_rewards=none: reward minus the mean, not divided
+    rewards = [1.0, 1.0, 0.0, 0.0]
+    logs = {"rewards": {"r": list(rewards)}, "advantages": [0.0] * 4}
+    out = PipelineTrainer._keep_groups_with_spread(_negative_fake(rewards, 1.0, "none"), _out([0.0] * 4, 2), None,
+                                                   logs)
+    assert out["prompt_ids"][:, 0].tolist() == [2, 3] and out["advantages"].tolist() == pytest.approx([-0.5, -0.5])
+
+
+def test_flat_negative_needs_dynamic_sampling(compose_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="generation.flat_negative=0.5 fills the slots.*oversample > 1"):
+        check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=1",
+                                  "generation.flat_negative=0.5"]))
+    with pytest.raises(ConfigError, match="generation.flat_negative=-1.0: must be >= 0"):
+        check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2",
+                                  "generation.flat_negative=-1"]))
 
 
 class HalfRightEnv:
@@ -252,6 +314,50 @@ def test_flat_groups_below_the_best_are_resampled_and_trained_on_a_balanced_pair
         assert all(r["advantage"] == pytest.approx(1.5, abs=1e-3) for r in resampled)
         assert sorted(right) == sorted(r["completion"] for r in resampled)
     assert sum(rescued) >= 1 and all(n == 4 for n in env.calls.values())  # each hard row scored 2 + 2 times
+
+
+class RightOnEvenRowsEnv:
+    """Even rows: every completion right; odd rows: every completion wrong. Every group is flat."""
+
+    def build_dataset(self, tokenizer):
+        return Dataset.from_list([{"prompt": f"say something {i}", "i": i} for i in range(40)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        return float(i % 2 == 0)
+
+
+def test_flat_negative_trains_the_wrong_flat_groups_pushed_down(compose_cfg, tmp_path, monkeypatch):
+    import json
+
+    from grpo_pipeline.tracking import metric_history
+
+    seen = []
+    original = PipelineTrainer._compute_loss
+
+    def capture(self, model, inputs):
+        seen.append(inputs["advantages"].clone())
+        return original(self, model, inputs)
+
+    monkeypatch.setattr(PipelineTrainer, "_compute_loss", capture)
+    cfg = compose_cfg([*tiny_overrides(tmp_path, env=["env=custom"]), "generation.oversample=2",
+                       "generation.flat_negative=1.0", "generation.max_new_tokens=4", "training.max_steps=3",
+                       "loss.mask_truncated_completions=false", "eval.enabled=false"])
+    result = train(cfg, launch_dir=str(tmp_path), env=RightOnEvenRowsEnv())
+    assert result.steps == 3 and len(seen) == 3
+    rows = [json.loads(x) for x in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    negative = metric_history(uri, result.mlflow_run_id, "dynamic_sampling/groups_negative")
+    for step, advantages in enumerate(seen, start=1):
+        episodes = [r for r in rows if r["split"] == "train" and r["step"] == step]  # 4 groups of 2, all flat
+        rewards = torch.tensor([r["reward"] for r in episodes], dtype=torch.float64)
+        wrong = [r for r in episodes if r["reward"] == 0.0]
+        expected = -rewards.mean().item() / (rewards.std().item() + 1e-4)
+        assert negative[step - 1] == min(len(wrong) // 2, 2)  # batch_size 4 = 2 groups of 2
+        if wrong and len(wrong) < len(episodes):  # the wrong groups are trained, pushed down; the right ones not
+            assert advantages.tolist() == pytest.approx([expected] * 2 * min(len(wrong) // 2, 2), abs=1e-4)
+            assert all(r["advantage"] == pytest.approx(expected, abs=1e-4) for r in wrong[:4])
+        assert all(r["advantage"] == 0.0 for r in episodes if r["reward"] == 1.0)
+    assert sum(negative) >= 1
 
 
 class FlatEnv:

@@ -3,6 +3,7 @@ step's weights are what model/ holds, evaluation does not change a seeded run's 
 
 import json
 import logging
+import statistics
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,8 @@ def test_a_first_run_on_a_four_row_env_trains(compose_cfg, tmp_path, monkeypatch
 
 
 class ScriptedValidation:
-    """Replaces evaluate(): scripted validation scores, and a copy of the weights at each validation."""
+    """Replaces evaluate(): scripted validation scores (one for every prompt, or a list per prompt), and a copy
+    of the weights at each validation."""
 
     def __init__(self, scores):
         self.scores, self.weights, self.real = list(scores), [], recipe.evaluate
@@ -79,7 +81,9 @@ class ScriptedValidation:
         result = self.real(model, tokenizer, runner, dataset, *args, **kwargs)
         if len(dataset) == 5:  # the validation set (val_prompts=5); the test set has 4
             self.weights.append(trainable_state(model))
-            result["mean_reward"] = self.scores.pop(0)
+            score = self.scores.pop(0)
+            result["scores"] = score if isinstance(score, list) else [score] * 5
+            result["mean_reward"] = statistics.fmean(result["scores"])
         return result
 
 
@@ -115,8 +119,27 @@ def test_model_holds_the_best_validation_steps_weights_and_model_last_the_last(c
 
     assert same(saved, best) and not same(saved, last) and same(saved_last, last)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["best_step"] == 2 and summary["validation"] == [[1, 0.1], [2, 0.6], [3, 0.3]]
+    assert summary["best_step"] == summary["model_step"] == 2
+    assert summary["validation"] == [[1, 0.1], [2, 0.6], [3, 0.3]]
     assert list((tmp_path / "run" / "best").iterdir()) == [tmp_path / "run" / "best" / "step-2.safetensors"]
+
+
+@pytest.mark.parametrize("margin", [2.0, 0.0])
+def test_a_best_step_within_the_margin_of_the_last_leaves_model_the_last_weights(compose_cfg, tmp_path, monkeypatch,
+                                                                                 margin):
+    # step 2 scores 0.6, step 3 (the last) 0.4; per prompt step 2 - step 3 is [0, 1, -1, 0, 1]: +0.2 +- 0.374,
+    # inside 2 standard errors: model/ keeps the last step's weights; with margin 0 the best step's
+    scripted = ScriptedValidation([0.0, [1.0, 1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0, 0.0]])
+    monkeypatch.setattr(recipe, "evaluate", scripted)
+    result = recipe.train(compose_cfg(_validated(tmp_path, f"eval.best_margin={margin}")), launch_dir=str(tmp_path),
+                          env=VariedEnv())
+    kept = 3 if margin else 2
+    assert (result.best_step, result.best_val, result.last_step, result.model_step) == (2, 0.6, 3, kept)
+    saved = load_file(str(Path(result.model_path) / "adapter_model.safetensors"))
+    assert all(torch.equal(saved[k.replace(".default", "")], v) for k, v in scripted.weights[kept - 1].items())
+    assert not all(torch.equal(saved[k.replace(".default", "")], v) for k, v in scripted.weights[4 - kept].items())
+    assert [p.name for p in (tmp_path / "run" / "best").iterdir()] == ([] if margin else ["step-2.safetensors"])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["model_step"] == kept
 
 
 def test_early_stop_after_patience_validations_without_improvement(compose_cfg, tmp_path, monkeypatch):

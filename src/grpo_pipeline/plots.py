@@ -4,9 +4,9 @@ from pathlib import Path
 
 
 def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = None, eval_after: dict | None = None,
-                 validation: list | None = None, best_step: int | None = None):
-    """Train mean reward per logging step (+ moving average), the validation curve with its best step, and the
-    held-out test score before and after."""
+                 validation: list | None = None, model_step: int | None = None):
+    """Train mean reward per logging step (+ moving average), the validation curve with the step whose weights
+    model/ holds, and the held-out test score before and after."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,10 +23,10 @@ def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = No
     if validation:
         ax.plot([s for s, _ in validation], [v for _, v in validation], marker="o", color="tab:green",
                 label="validation mean reward")
-        best = [v for s, v in validation if s == best_step]
-        if best:
-            ax.scatter([best_step], best, s=120, facecolors="none", edgecolors="tab:green", linewidths=2, zorder=4,
-                       label=f"best validation: step {best_step} (model/)")
+        kept = [v for s, v in validation if s == model_step]
+        if kept:
+            ax.scatter([model_step], kept, s=120, facecolors="none", edgecolors="tab:green", linewidths=2, zorder=4,
+                       label=f"model/: step {model_step}")
     for ev, name, x in ((eval_before, "test before", 0), (eval_after, "test after (model/)", len(rewards))):
         if ev:
             ax.scatter([x], [ev["mean_reward"]], s=80, marker="*", zorder=3, label=f"{name}: {ev['mean_reward']:.2f}")

@@ -133,7 +133,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             raise TrainingStopped(f"Stopped by signal {stop.signum} after training; the trained model is in "
                                   f"{model_path}.", 128 + stop.signum)
         if split.test is not None and cfg.eval.after and is_main:
-            eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/: the best validation step's
+            eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/
             if eval_before is not None:  # the same prompts, in the same order: the gain and its standard error
                 gain, se = paired_gain(eval_before["scores"], eval_after["scores"])
                 eval_after |= {"gain": round(gain, 4), "gain_se": None if se is None else round(se, 4)}
@@ -248,6 +248,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
     if cfg.generation.oversample > 1 or cfg.generation.resample_flat:
         trainer.train_completions = cfg.training.batch_size
         trainer.resample_flat = cfg.generation.resample_flat
+        trainer.flat_negative = cfg.generation.flat_negative
     if rollout is not None and rollout.uses_vllm and weight_sync(cfg) == "adapter":
         trainer.correct_sampler_mismatch()  # vLLM's LoRA kernels: TRL's correction, one more forward a step
     elif rollout is not None and (rollout.uses_vllm or (rollout.sampler is not None
@@ -263,8 +264,8 @@ def _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, 
     from grpo_pipeline.validation import Validation
 
     best_dir = run_dir / "best" if cfg.eval.keep_best else None
-    validation = Validation(lambda: score(split.val, "val", trainer.state.global_step), cfg.eval.every_steps, cfg.eval.early_stop_patience,
-                            best_dir, policy, tracker)
+    validation = Validation(lambda: score(split.val, "val", trainer.state.global_step), cfg.eval.every_steps,
+                            cfg.eval.early_stop_patience, best_dir, policy, tracker, cfg.eval.best_margin)
     if checkpoint is not None:
         stored = json.loads((checkpoint / "trainer_state.json").read_text()).get("stateful_callbacks", {})
         validation.restore(stored.get("Validation"))
@@ -289,14 +290,18 @@ def _open_ledger(cfg, run_dir: Path, tokenizer, checkpoint: Path | None):
 
 
 def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
-    """model/ (the best validation step's weights when validation keeps them, else the last) and model-last/."""
+    """model/ (the best validation step's weights when validation keeps them and the best clearly beat the last,
+    else the last: Validation.model_step) and model-last/."""
     if validation is not None and validation.best_dir is not None:
         trainer.save_model(str(run_dir / "model-last"))
         tokenizer.save_pretrained(run_dir / "model-last")
-        if validation.restore_best():
-            log.warning("model/: the weights of step %d (validation mean reward %.3f; last step %d: %.3f)",
-                        validation.best_step, validation.best_score, validation.last_step, validation.last_score)
-            validation.prune()
+        step, why = validation.model_step()
+        validation.kept_step = validation.last_step
+        if step != validation.last_step and validation.restore_best():  # restore_best says why it could not
+            validation.kept_step = step
+        if validation.kept_step is not None:
+            log.warning("model/: the weights of step %d: %s", validation.kept_step, why)
+        validation.prune()
     path = run_dir / "model"
     trainer.save_model(str(path))  # the LoRA adapter when lora.enabled, else the full weights
     tokenizer.save_pretrained(path)
@@ -324,6 +329,7 @@ def _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracke
         eval_before=eval_before, eval_after=eval_after, mlflow_run_id=tracker.run_id,
         wall_time_s=round(time.monotonic() - started, 1), train_seconds=round(train_seconds, 2), rewards=rewards,
         best_step=v.best_step if v else None, best_val=v.best_score if v else None,
+        model_step=(v.last_step if v.kept_step is None else v.kept_step) if v else None,
         last_step=v.last_step if v else None, last_val=v.last_score if v else None,
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
         eval_seconds=round(v.seconds, 2) if v else 0.0,

@@ -28,8 +28,9 @@ class RunResult:
     wall_time_s: float
     train_seconds: float
     rewards: list[float]
-    best_step: int | None = None  # the validation step whose weights are in model/
+    best_step: int | None = None  # the step with the highest validation mean reward
     best_val: float | None = None  # its validation mean reward
+    model_step: int | None = None  # the step whose weights are in model/: best_step if it clearly beat the last
     last_step: int | None = None
     last_val: float | None = None  # the last validation's mean reward (weights in model-last/)
     validation: list | None = None  # [(step, validation mean reward), ...]
@@ -63,11 +64,13 @@ def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
     (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
     if result.rewards:
         plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after,
-                     result.validation, result.best_step)
+                     result.validation, result.model_step)
     if result.best_step is not None:
         tracker.set_tag("best_step", str(result.best_step))
+        tracker.set_tag("model_step", str(result.model_step))
         tracker.log_metrics({"best/val_mean_reward": result.best_val, "best/step": float(result.best_step),
-                             "last/val_mean_reward": result.last_val}, step=result.steps)
+                             "last/val_mean_reward": result.last_val, "model/step": float(result.model_step)},
+                            step=result.steps)
     for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
         tracker.log_artifact(run_dir / name)
 

@@ -29,6 +29,7 @@ class PipelineTrainer(GRPOTrainer):
     shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
     resample_flat = 0  # generation.resample_flat: more samples for a flat group below the batch's best
+    flat_negative = 0.0  # generation.flat_negative: free slots go to flat groups below the step's mean, pushed down
     # the runtime samples from a copy in another dtype (runtime.generation_dtype), or from vLLM holding the policy's
     # weights (vllm.weight_sync=weights): the sampled tokens' log-probs are the behaviour policy's
     behaviour_logps = False
@@ -89,7 +90,7 @@ class PipelineTrainer(GRPOTrainer):
                 out, spread, extra = self._resample_flat_groups(inputs, out, logs)
                 if extra is not None:
                     rounds.append(extra)
-            out = self._keep_groups_with_spread(out, spread)
+            out = self._keep_groups_with_spread(out, spread, logs)
         if self.record_episodes and training:
             from accelerate.utils import gather_object
 
@@ -188,26 +189,70 @@ class PipelineTrainer(GRPOTrainer):
             advantages = advantages / ((scored.std().item() if self.scale_rewards == "group" else batch_std) + 1e-4)
         return torch.nan_to_num(advantages, nan=0.0).float().tolist()
 
-    def _keep_groups_with_spread(self, out: dict, spread: list[bool] | None = None) -> dict:
+    def _keep_groups_with_spread(self, out: dict, spread: list[bool] | None = None, logs: dict | None = None) -> dict:
         """Dynamic sampling: of the groups sampled, keep (in sampling order) up to train_completions' worth whose
-        rewards differ; if none does, one flat group with its advantages set to 0 (it trains nothing). Flatness
-        is read from the rewards (TRL's weighted total, as in its frac_reward_zero_std), not the advantages,
-        which a float mean over a tiny std can push off 0. The loss normalizer is recounted for the rows kept."""
+        rewards differ; with `flat_negative`, slots still free go to flat groups that scored below the step's mean
+        (_negative_flat_groups); if nothing is kept, one flat group with its advantages set to 0 (it trains
+        nothing). Flatness is read from the rewards (TRL's weighted total, as in its frac_reward_zero_std), not the
+        advantages, which a float mean over a tiny std can push off 0. The loss normalizer is recounted for the
+        rows kept. `logs`: what TRL logged for this batch (default: its current logs)."""
         size = self.num_generations
         advantages = out["advantages"]
         groups = advantages.size(0) // size
         if spread is None:
             spread = self._groups_with_spread(advantages, groups, size)
-        kept = [g for g in range(groups) if spread[g]][: self.train_completions // size]
-        out = select_rows(out, torch.tensor([g * size + i for g in kept or [0] for i in range(size)],
+        cap = self.train_completions // size
+        kept = [g for g in range(groups) if spread[g]][:cap]
+        negative = {}
+        if self.flat_negative and len(kept) < cap:
+            negative = self._negative_flat_groups(spread, groups, cap - len(kept), logs)
+            if negative:
+                advantages = advantages.clone()
+                for g, values in negative.items():
+                    advantages[g * size:(g + 1) * size] = torch.tensor(values, dtype=advantages.dtype)
+                out = {**out, "advantages": advantages}
+                if logs is not None and len(logs.get("advantages", ())) == groups * size:
+                    for g, values in negative.items():  # the ledger shows the advantages trained on
+                        logs["advantages"][g * size:(g + 1) * size] = values
+        chosen = sorted(kept + list(negative))
+        out = select_rows(out, torch.tensor([g * size + i for g in chosen or [0] for i in range(size)],
                                             device=advantages.device))
-        if not kept:
+        if not chosen:
             out["advantages"] = torch.zeros_like(out["advantages"])
         out["num_items_in_batch"] = loss_mask(out).sum()
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/groups_sampled"].append(float(groups))
         metrics["dynamic_sampling/groups_trained"].append(float(len(kept)))
+        if self.flat_negative:
+            metrics["dynamic_sampling/groups_negative"].append(float(len(negative)))
         return out
+
+    def _negative_flat_groups(self, spread: list[bool], groups: int, free: int,
+                              logs: dict | None) -> dict[int, list[float]]:
+        """Negative sample reinforcement for flat groups (Zhu et al. 2025, arXiv:2506.01347): a group whose
+        completions all scored the same has no GRPO signal, however wrong they are; when the policy is sure of a
+        wrong answer, every sample repeats it. Up to `free` such groups, in sampling order, that scored below the
+        mean of the step's rewards get the advantage flat_negative x (reward - mean) / std over the step's rewards
+        (not divided with scale_rewards=none): the answer they agree on is pushed down. Unscored completions get 0.
+        Returns {group: per-completion advantages}; empty where the step's rewards cannot be read."""
+        size = self.num_generations
+        totals = _batch_totals(self, logs if logs is not None else getattr(self, "_logs", {}), groups * size)
+        scored = [t for t in totals or [] if t is not None]
+        if len(scored) < 2:
+            return {}
+        step = torch.tensor(scored, dtype=torch.float64)
+        mean, std = step.mean().item(), step.std().item()
+        chosen = {}
+        for g in range(groups):
+            group = totals[g * size:(g + 1) * size]
+            score = next((t for t in group if t is not None), None)
+            if len(chosen) == free:
+                break
+            if spread[g] or score is None or score >= mean - REWARD_TIE:
+                continue
+            advantage = (score - mean) / ((std + 1e-4) if self.scale_rewards != "none" else 1.0)
+            chosen[g] = [0.0 if t is None else self.flat_negative * advantage for t in group]
+        return chosen
 
     def _groups_with_spread(self, advantages: torch.Tensor, groups: int, size: int) -> list[bool]:
         totals = _batch_totals(self, getattr(self, "_logs", {}), advantages.size(0))

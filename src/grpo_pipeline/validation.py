@@ -4,8 +4,9 @@ optionally stop early.
 - The scores go into the Trainer's log history (so a checkpoint carries them, like TRL's metrics) and to
   MLflow as `eval_val/mean_reward` and `eval_val/success_rate`.
 - On a new best (highest validation mean reward) the trainable weights (the LoRA adapter, or every weight
-  without LoRA) are written to `<run dir>/best/step-<N>.safetensors`; at the end the recipe saves them as
-  `model/` and the last weights as `model-last/`.
+  without LoRA) are written to `<run dir>/best/step-<N>.safetensors`. At the end `model/` gets them only if the
+  best step beat the last one by more than `margin` paired standard errors over the validation prompts (the
+  highest of several noisy scores is partly luck); otherwise the last weights. `model-last/` is the last.
 - Evaluating never changes the training trajectory: generation is greedy and the RNG states are restored.
 - Resume: the best step, its score and the patience counter are stored in every checkpoint's
   trainer_state.json and restored from it.
@@ -20,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
+from grpo_pipeline.evaluation import paired_gain
+
 log = logging.getLogger(__name__)
 PREFIX = "eval_val"
 
@@ -30,22 +33,25 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 class Validation(TrainerCallback, ExportableState):
     def __init__(self, evaluate: Callable[[], dict], every_steps: int, patience: int, best_dir: Path | None,
-                 policy, tracker=None):
+                 policy, tracker=None, margin: float = 0.0):
         self.evaluate, self.every_steps, self.patience = evaluate, every_steps, patience
-        self.best_dir, self.policy, self.tracker = best_dir, policy, tracker
+        self.best_dir, self.policy, self.tracker, self.margin = best_dir, policy, tracker, margin
         self.best_step: int | None = None
         self.best_score: float | None = None
+        self.best_scores: list[float] | None = None  # per validation prompt
         self.last_step: int | None = None
         self.last_score: float | None = None
+        self.last_scores: list[float] | None = None
         self.without_improvement = 0
+        self.kept_step: int | None = None  # the step whose weights model/ holds (set when the models are saved)
         self.stop_requested = False
         self.history: list[tuple[int, float]] = []
         self.seconds = 0.0  # spent validating
 
     def state(self) -> dict:
         return {"args": {}, "attributes": {k: getattr(self, k) for k in
-                                           ("best_step", "best_score", "last_step", "last_score",
-                                            "without_improvement", "history", "seconds")}}
+                                           ("best_step", "best_score", "best_scores", "last_step", "last_score",
+                                            "last_scores", "without_improvement", "history", "seconds")}}
 
     def restore(self, stored: dict | None) -> None:
         for key, value in ((stored or {}).get("attributes") or {}).items():
@@ -59,14 +65,14 @@ class Validation(TrainerCallback, ExportableState):
         metrics = self.evaluate()
         self.seconds += time.monotonic() - started
         score = metrics["mean_reward"]
-        self.last_step, self.last_score = step, score
+        self.last_step, self.last_score, self.last_scores = step, score, metrics.get("scores")
         self.history.append((step, score))
         values = {f"{PREFIX}/mean_reward": score, f"{PREFIX}/success_rate": metrics["success_rate"]}
         state.log_history.append({**values, "step": step})
         if self.tracker is not None:
             self.tracker.log_metrics(values, step=step)
         if self.best_score is None or score > self.best_score:
-            self.best_step, self.best_score, self.without_improvement = step, score, 0
+            self.best_step, self.best_score, self.best_scores, self.without_improvement = step, score, self.last_scores, 0
             self._save_best(step)
         else:
             self.without_improvement += 1
@@ -83,6 +89,20 @@ class Validation(TrainerCallback, ExportableState):
         path = self.best_dir / f"step-{step}.safetensors"
         save_file(trainable_state(self.policy), str(path.with_suffix(".tmp")))
         path.with_suffix(".tmp").replace(path)  # a kill never leaves a half-written best
+
+    def model_step(self) -> tuple[int | None, str]:
+        """The step whose weights model/ keeps, and why: the best validation step's only if it beat the last
+        step by more than `margin` paired standard errors over the validation prompts, else the last step's."""
+        if self.best_step is None or self.best_step == self.last_step:
+            return self.last_step, "the best validation step is the last"
+        if not self.best_scores or not self.last_scores or len(self.best_scores) != len(self.last_scores):
+            return self.best_step, "the best validation step (no per-prompt scores to compare it with the last)"
+        gain, se = paired_gain(self.last_scores, self.best_scores)
+        versus = f"{gain:+.3f} +- {se or 0:.3f} over the last step {self.last_step}'s {self.last_score:.3f}"
+        if gain > self.margin * (se or 0.0):
+            return self.best_step, f"the best validation step: {versus}, more than {self.margin:g} standard errors"
+        return self.last_step, (f"the last step: the best validation step {self.best_step} ({self.best_score:.3f}) "
+                                f"scored {versus}, within {self.margin:g} standard errors")
 
     def restore_best(self) -> bool:
         """Load the best step's weights into the policy; False when there are none to load."""
@@ -101,8 +121,8 @@ class Validation(TrainerCallback, ExportableState):
         return True
 
     def prune(self) -> None:
-        """Keep only the best step's weights file."""
+        """Keep only the best step's weights file (none when model/ holds the last step's)."""
         if self.best_dir is not None and self.best_dir.is_dir():
             for path in self.best_dir.glob("step-*.safetensors"):
-                if path.name != f"step-{self.best_step}.safetensors":
+                if path.name != f"step-{self.kept_step}.safetensors":
                     path.unlink()

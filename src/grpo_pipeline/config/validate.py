@@ -45,6 +45,14 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if gen.resample_flat < 0 or (gen.num_generations > 0 and gen.resample_flat % gen.num_generations):
         p.append(f"generation.resample_flat={gen.resample_flat}: must be 0 (off) or a multiple of "
                  f"generation.num_generations={gen.num_generations} (the extra completions are scored in groups).")
+    if cfg.eval.best_margin < 0:
+        p.append(f"eval.best_margin={cfg.eval.best_margin}: must be >= 0 (standard errors; 0 keeps the best-scored "
+                 "validation step whenever it scored above the last).")
+    if gen.flat_negative < 0:
+        p.append(f"generation.flat_negative={gen.flat_negative}: must be >= 0 (0 turns it off).")
+    elif gen.flat_negative and gen.oversample <= 1 and not gen.resample_flat:
+        p.append(f"generation.flat_negative={gen.flat_negative} fills the slots dynamic sampling leaves free: it "
+                 "needs generation.oversample > 1 (e.g. 2).")
 
     if loss.loss_type not in LOSS_TYPES:
         p.append(f"loss.loss_type={loss.loss_type!r}: use one of {LOSS_TYPES}.")
@@ -190,10 +198,11 @@ def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     said = []
     if (gen.oversample > 1 or gen.resample_flat) and (world > 1 or train.gradient_accumulation_steps > 1):
-        gen.oversample, gen.resample_flat = 1, 0
-        said.append(f"generation.oversample and resample_flat (dynamic sampling) run on one process without "
-                    f"gradient accumulation; with {world} process(es) and training.gradient_accumulation_steps="
-                    f"{train.gradient_accumulation_steps} they are off (generation.oversample=1, resample_flat=0).")
+        gen.oversample, gen.resample_flat, gen.flat_negative = 1, 0, 0.0
+        said.append(f"generation.oversample, resample_flat and flat_negative (dynamic sampling) run on one process "
+                    f"without gradient accumulation; with {world} process(es) and training.gradient_accumulation_steps="
+                    f"{train.gradient_accumulation_steps} they are off (generation.oversample=1, resample_flat=0, "
+                    "flat_negative=0).")
     ga = train.gradient_accumulation_steps
     batches = world * ga  # per-process batches one generation fills (TRL: steps_per_generation = GA)
     asked = train.batch_size * gen.oversample * batches // gen.num_generations  # prompts per generation
