@@ -142,6 +142,27 @@ def test_a_best_step_within_the_margin_of_the_last_leaves_model_the_last_weights
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["model_step"] == kept
 
 
+def test_a_resumed_run_reports_its_gain_against_the_first_starts_test_scores(compose_cfg, tmp_path):
+    from grpo_pipeline.ledger import read
+
+    overrides = [*_validated(tmp_path), "training.save_steps=1"]
+    first = recipe.train(compose_cfg([*overrides, "training.max_steps=1"]), launch_dir=str(tmp_path), env=VariedEnv())
+    resumed = recipe.train(compose_cfg([*overrides, "training.max_steps=2", f"resume={tmp_path / 'run'}"]),
+                           launch_dir=str(tmp_path), env=VariedEnv())
+    assert first.eval_before is not None and resumed.eval_before is None  # not scored again on resume
+    entries = read(tmp_path / "run" / "episodes.jsonl")
+    before = {e["prompt_id"]: e["reward"] for e in entries if e["split"] == "test_before"}
+    after = [e for e in entries if e["split"] == "test_after"]
+    assert len(before) == len(after) == 4  # the first start's test_after was dropped on resume
+    changes = [e["reward"] - before[e["prompt_id"]] for e in after]
+    gain, se = paired_gain([before[e["prompt_id"]] for e in after], [e["reward"] for e in after])
+    assert resumed.eval_after["gain"] == pytest.approx(statistics.fmean(changes), abs=1e-4)
+    assert resumed.eval_after["gain"] == pytest.approx(gain, abs=1e-4)
+    assert resumed.eval_after["gain_se"] == pytest.approx(se, abs=1e-4)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_after"]["gain"] == resumed.eval_after["gain"]
+
+
 def test_early_stop_after_patience_validations_without_improvement(compose_cfg, tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "evaluate", ScriptedValidation([0.5, 0.4, 0.3, 0.2, 0.1, 0.0]))
     result = recipe.train(compose_cfg(_validated(tmp_path, "training.max_steps=6", "eval.early_stop_patience=2")),

@@ -159,3 +159,11 @@ def read(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def heldout_scores(path: Path, split: str, prompts: list) -> list[float] | None:
+    """The scores a held-out split (e.g. test_before) recorded, one per prompt, in the order of `prompts`; None if
+    the ledger lacks any of them (a held-out set holds each prompt once)."""
+    recorded = {e["prompt_id"]: e["reward"] for e in read(path) if e["split"] == split}
+    scores = [recorded.get(prompt_id(p)) for p in prompts]
+    return None if not scores or any(s is None for s in scores) else scores

@@ -6,7 +6,8 @@ bad config fails in seconds, before weights load and before an MLflow run exists
 - SIGINT/SIGTERM finish the step, save a checkpoint, mark the run KILLED and stop;
 - `resume=<run dir>` (or `resume=auto`) continues from the latest checkpoint in the same MLflow run.
 With `eval.every_steps`, a validation set is scored during training and `model/` gets the best step's
-weights (`model-last/` the last ones); the test set is scored only before and after.
+weights if they clearly beat the last ones (`eval.best_margin`), else the last (`model-last/` always the
+last); the test set is scored only before and after.
 Under several processes every process trains; only the main one tracks, evaluates and writes files.
 """
 
@@ -31,6 +32,7 @@ from grpo_pipeline.envs.loader import (
 )
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation import Split, evaluate, paired_gain, split_heldout
+from grpo_pipeline.ledger import heldout_scores
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.redact import mask_credentials, redact_log_records
@@ -134,8 +136,11 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                                   f"{model_path}.", 128 + stop.signum)
         if split.test is not None and cfg.eval.after and is_main:
             eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/
-            if eval_before is not None:  # the same prompts, in the same order: the gain and its standard error
-                gain, se = paired_gain(eval_before["scores"], eval_after["scores"])
+            before = eval_before["scores"] if eval_before is not None else None
+            if before is None and checkpoint is not None and ledger is not None:  # resumed: the first start's
+                before = heldout_scores(ledger.path, "test_before", split.test["prompt"])
+            if before is not None:  # the same prompts, in the same order: the gain and its standard error
+                gain, se = paired_gain(before, eval_after["scores"])
                 eval_after |= {"gain": round(gain, 4), "gain_se": None if se is None else round(se, 4)}
             log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
         for metrics in (eval_before, eval_after):  # per-prompt scores: not in summary.json (the ledger has them)

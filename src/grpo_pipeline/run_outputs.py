@@ -23,7 +23,7 @@ class RunResult:
     last_reward: float | None
     average_reward: float | None
     eval_before: dict | None  # test set, before training
-    eval_after: dict | None  # test set, after training: the weights in model_path (the best validation step's)
+    eval_after: dict | None  # test set, after training: the weights in model_path (step model_step)
     mlflow_run_id: str | None
     wall_time_s: float
     train_seconds: float
