@@ -352,7 +352,8 @@ def test_flat_negative_trains_the_wrong_flat_groups_pushed_down(compose_cfg, tmp
         rewards = torch.tensor([r["reward"] for r in episodes], dtype=torch.float64)
         wrong = [r for r in episodes if r["reward"] == 0.0]
         expected = -rewards.mean().item() / (rewards.std().item() + 1e-4)
-        assert negative[step - 1] == min(len(wrong) // 2, 2)  # batch_size 4 = 2 groups of 2
+        all_wrong = len(wrong) == len(episodes)  # nothing below the step's mean: nothing to push down
+        assert negative[step - 1] == (0 if all_wrong else min(len(wrong) // 2, 2))  # batch_size 4 = 2 groups of 2
         if wrong and len(wrong) < len(episodes):  # the wrong groups are trained, pushed down; the right ones not
             assert advantages.tolist() == pytest.approx([expected] * 2 * min(len(wrong) // 2, 2), abs=1e-4)
             assert all(r["advantage"] == pytest.approx(expected, abs=1e-4) for r in wrong[:4])

@@ -302,8 +302,11 @@ def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
         tokenizer.save_pretrained(run_dir / "model-last")
         step, why = validation.model_step()
         validation.kept_step = validation.last_step
-        if step != validation.last_step and validation.restore_best():  # restore_best says why it could not
-            validation.kept_step = step
+        if step != validation.last_step:
+            if validation.restore_best():
+                validation.kept_step = step
+            else:  # restore_best logged why
+                why = "the last step's, since the best step's weights could not be loaded"
         if validation.kept_step is not None:
             log.warning("model/: the weights of step %d: %s", validation.kept_step, why)
         validation.prune()

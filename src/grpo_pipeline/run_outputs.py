@@ -49,7 +49,7 @@ def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool 
                 f" ({metrics['failures']} failed)" if metrics.get("failures") else "")
     values = {f"{prefix}/mean_reward": metrics["mean_reward"], f"{prefix}/success_rate": metrics["success_rate"],
               f"{prefix}/failures": float(metrics.get("failures", 0))}
-    if "gain" in metrics:  # after training, with the test scored before too (recipe.py; not on a resumed run)
+    if "gain" in metrics:  # after training, with the test scored before (a resumed run: by its first start)
         se = metrics["gain_se"]
         log.warning("%s: held-out gain %+.3f %s (mean per-prompt change over %d prompts)", prefix, metrics["gain"],
                     "(one prompt: no standard error)" if se is None else f"+- {se:.3f} (its standard error)",

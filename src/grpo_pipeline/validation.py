@@ -121,8 +121,9 @@ class Validation(TrainerCallback, ExportableState):
         return True
 
     def prune(self) -> None:
-        """Keep only the best step's weights file (none when model/ holds the last step's)."""
+        """Keep only the best step's weights file (also when model/ holds the last step's: a run extended later
+        may still choose it)."""
         if self.best_dir is not None and self.best_dir.is_dir():
             for path in self.best_dir.glob("step-*.safetensors"):
-                if path.name != f"step-{self.kept_step}.safetensors":
+                if path.name != f"step-{self.best_step}.safetensors":
                     path.unlink()

@@ -50,7 +50,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                  "validation step whenever it scored above the last).")
     if gen.flat_negative < 0:
         p.append(f"generation.flat_negative={gen.flat_negative}: must be >= 0 (0 turns it off).")
-    elif gen.flat_negative and gen.oversample <= 1 and not gen.resample_flat:
+    elif gen.flat_negative and gen.oversample <= 1:
         p.append(f"generation.flat_negative={gen.flat_negative} fills the slots dynamic sampling leaves free: it "
                  "needs generation.oversample > 1 (e.g. 2).")
 
