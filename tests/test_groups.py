@@ -35,6 +35,15 @@ def test_loss_options_carry_their_papers_settings(compose_cfg, tmp_path):
     assert compose_cfg(["loss=cispo", f"output_dir={tmp_path}"]).loss.epsilon_high >= 1.0
 
 
+def test_an_envs_tuned_settings_apply_to_that_env_only_and_the_command_line_wins(compose_cfg, tmp_path):
+    tuned = sorted(p.stem for p in (CONFIG_DIR / "tuned").glob("*.yaml"))
+    assert tuned and set(tuned) <= {p.stem for p in (CONFIG_DIR / "env").glob("*.yaml")}  # no orphan file
+    assert compose_cfg([f"output_dir={tmp_path}"]).generation.temperature == 1.2  # the default env: arithmetic
+    assert compose_cfg(["env=hotel", f"output_dir={tmp_path}"]).generation.temperature == 1.0  # train.yaml's
+    assert compose_cfg(["env=custom", f"output_dir={tmp_path}"]).generation.temperature == 1.0  # no file: skipped
+    assert compose_cfg(["generation.temperature=0.9", f"output_dir={tmp_path}"]).generation.temperature == 0.9
+
+
 def test_lora_merge_writes_full_weights(compose_cfg, tmp_path):
     cfg = compose_cfg([*tiny_overrides(tmp_path), "lora.save_merged=true", "training.max_steps=1",
                        "tracking.enabled=false"])
