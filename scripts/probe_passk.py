@@ -1,7 +1,7 @@
 """What the model can sample on the held-out test set: pass@k (the share of test prompts with at least one full
 score among k completions) for k = 1..--samples, at the run's temperature, for the model before training or for a
 trained adapter. GRPO mostly sharpens what the model already samples, so this bounds what a run can reach (README
-"The env doctor"). The test prompts are the run's own (eval.split_seed); completions are sampled from a bf16 copy.
+"The env doctor"). The test prompts are the run's own (eval.split_seed); completions are sampled from a bf16 copy (--dtype float32 on a CPU without native bf16).
 
     .venv/bin/python scripts/probe_passk.py                                       # the base model, env=arithmetic
     .venv/bin/python scripts/probe_passk.py --adapter outputs/bench_learning/<stamp>/seed42/model
@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32, help="completions per test prompt")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the sampling copy's dtype (float32 on a CPU without native bf16)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -43,7 +45,7 @@ def main() -> None:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
-    model = model.to(torch.bfloat16)
+    model = model.to(getattr(torch, args.dtype))
     gen = cfg.generation
     sample = sampling(gen)
     extra = [c for c in dataset.column_names if c != "prompt"]
