@@ -11,10 +11,7 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0.
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
-(0.3 + 0.6 * share for any real room beat the 0.2 of a search; README "Measured", multi-turn). Nor does it earn
-the well-formed call's 0.1 (only a right-city search's 0.2): while a guess paid what a search in the worked
-example's city did, a run's episodes settled on the one-turn guess (every group flat, seed 2 of `env=hotel`'s
-recipe, README "Measured").
+(0.3 + 0.6 * share for any real room beat the 0.2 of a search; README "Measured", multi-turn).
 """
 
 import json
@@ -202,8 +199,8 @@ class HotelEnv:
                 elif call.get("name") == "book_room":
                     room_id = str(args.get("room_id"))
                     booked = self.rooms.get(room_id)
-                    if booked is None or room_id not in shown:  # a guess: no credit beyond a search's
-                        return 0.2 if searched else 0.0
+                    if booked is None or room_id not in shown:
+                        return 0.2 if searched else 0.1
                     met, total = self.wishes_met(booked, request)
                     return 1.0 if met == total else 0.3 + 0.6 * met / total
         return 0.2 if searched else 0.1 if well_formed else 0.0
