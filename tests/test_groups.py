@@ -42,7 +42,7 @@ def test_an_envs_tuned_settings_apply_to_that_env_only_and_the_command_line_wins
     hotel = compose_cfg(["env=hotel", "loss=dapo", f"output_dir={tmp_path}"])  # the command
     assert hotel.generation.temperature == 1.0  # train.yaml's
     assert hotel.loss.kl_coef == 0.04 and hotel.loss.loss_type == "dapo"  # tuned/hotel.yaml beats the loss group
-    assert (hotel.training.batch_size, hotel.generation.oversample, hotel.training.max_steps) == (8, 1, 40)
+    assert (hotel.training.batch_size, hotel.generation.oversample, hotel.training.max_steps) == (8, 1, 80)
     assert compose_cfg(["env=hotel", "loss.kl_coef=0", f"output_dir={tmp_path}"]).loss.kl_coef == 0
     assert compose_cfg([f"output_dir={tmp_path}"]).loss.kl_coef == 0  # arithmetic keeps dapo's
     assert compose_cfg(["env=custom", f"output_dir={tmp_path}"]).generation.temperature == 1.0  # no file: skipped
