@@ -71,10 +71,9 @@ def _wait(condition, proc: subprocess.Popen, what: str, timeout: float = 300) ->
 
 
 def _complete(checkpoint: Path) -> bool:
-    try:
-        return json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] > 0
-    except (OSError, ValueError, KeyError):
-        return False
+    from grpo_pipeline.checkpoints import is_complete
+
+    return is_complete(checkpoint)  # its marker is written once every file of it is on disk
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -93,7 +92,7 @@ def _printed_step(log: Path, step: int) -> bool:
 
 
 def test_kill9_at_many_moments_then_resume_keeps_every_step_exactly_once(tmp_path):
-    from grpo_pipeline.checkpoints import latest_checkpoint
+    from grpo_pipeline.checkpoints import resumable
 
     project, run_dir = _project(tmp_path)
     ckpt = run_dir / "checkpoints"
@@ -116,7 +115,7 @@ def test_kill9_at_many_moments_then_resume_keeps_every_step_exactly_once(tmp_pat
 
     # 3-5. at a random moment after a random step of a resumed run (between checkpoints, or just after one)
     for n in range(3):
-        done = int(latest_checkpoint(run_dir).name.split("-")[1])
+        done = int(resumable(run_dir, None)[0].name.split("-")[1])
         step = rng.randint(done + 1, min(done + 3, STEPS - 1))
         log = tmp_path / f"resume{n}.log"
         proc = _start(project, run_dir, *resume, log=log)
@@ -192,7 +191,7 @@ def test_sigterm_saves_a_checkpoint_and_marks_the_run_killed(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert f"Continue with: resume={run_dir}" in err and "Traceback" not in err
+    assert f"-m grpo_pipeline resume={run_dir}" in err and "Traceback" not in err
     checkpoints = list((run_dir / "checkpoints").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "optimizer.pt").exists()
     client, runs = _client(project)
@@ -202,14 +201,16 @@ def test_sigterm_saves_a_checkpoint_and_marks_the_run_killed(tmp_path):
         range(1, step + 1))
 
 
-@pytest.mark.parametrize("bad", ["garbage", ""])
-def test_a_half_written_trainer_state_does_not_count_as_a_checkpoint(tmp_path, bad):
-    from grpo_pipeline.checkpoints import latest_checkpoint, remove_incomplete
+@pytest.mark.parametrize("bad", ["garbage", "", '{"run_uid": "r1", "step": 2}'])
+def test_a_checkpoint_counts_only_with_its_own_marker(tmp_path, bad):
+    from grpo_pipeline.checkpoints import MARKER, remove_incomplete, resumable
 
     for step in (2, 4):
         (tmp_path / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
-    (tmp_path / "checkpoints" / "checkpoint-4" / "trainer_state.json").write_text(bad)
-    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+        (tmp_path / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+    (tmp_path / "checkpoints" / "checkpoint-2" / MARKER).write_text('{"run_uid": "r1", "step": 2}')
+    (tmp_path / "checkpoints" / "checkpoint-4" / MARKER).write_text(bad)  # cut short, or naming another step
+    assert [p.name for p in resumable(tmp_path, "r1")] == ["checkpoint-2"]
+    assert resumable(tmp_path, "another run") == []  # never another run's checkpoint
     remove_incomplete(tmp_path)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["checkpoint-2"]

@@ -81,20 +81,49 @@ def test_decode_hands_the_lm_head_a_contiguous_last_state():
     assert [t[0] for t in tokens] == first.tolist()
 
 
-def test_default_generation_dtype_follows_the_cpu(compose_cfg, tmp_path, monkeypatch):
-    from grpo_pipeline.runtime import rollout
+def test_default_generation_dtype_follows_what_the_cpu_does(compose_cfg, tmp_path, monkeypatch):
+    """oneDNN says bf16 is supported on any AVX-512 CPU; the choice goes by the CPU's flags and a measurement."""
+    from grpo_pipeline.runtime import machine
 
+    monkeypatch.setenv("GRPO_PIPELINE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
-    monkeypatch.setattr(rollout, "native_bf16", lambda: True)
+    timings = []
+
+    def fake_measure(packed, budget_s=0.12):
+        timings.append(packed)
+        return {"float32_ms": 10.0, "bfloat16_ms": speed["bf16"]}
+
+    monkeypatch.setattr(machine, "measure", fake_measure)
+    # an AVX-512 Xeon without AVX512-BF16/AMX (bf16 emulated): float32, nothing measured
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512_vnni"})
+    assert generation_dtype(cfg) is None and timings == []
+    # native bf16, measured 2x faster: bfloat16; measured once, then read from the machine's cache
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    speed = {"bf16": 5.0}
     assert generation_dtype(cfg) == torch.bfloat16
+    assert generation_dtype(cfg) == torch.bfloat16 and len(timings) == 1
     assert generation_dtype(cfg, multi_turn=True) is None  # measured slower there: the model's own
-    monkeypatch.setattr(rollout, "native_bf16", lambda: False)
-    assert generation_dtype(cfg) is None  # emulated bf16 is slower than float32: the model's own dtype
+    # native bf16 that measures barely faster (a memory-bound host): float32
+    monkeypatch.setenv("GRPO_PIPELINE_CACHE", str(tmp_path / "cache2"))
+    speed = {"bf16": 9.5}
+    assert generation_dtype(cfg) is None and len(timings) == 2
+    choice = machine.sampling_dtype(packed=True)
+    assert choice.value == "float32" and "1.05x" in choice.why
     cfg = compose_cfg(["model=tiny", "runtime.generation_dtype=bfloat16", f"output_dir={tmp_path}"])
     assert generation_dtype(cfg) == torch.bfloat16  # asked for: also where it is emulated
     cfg = compose_cfg(["model=tiny", "runtime.generation_dtype=float32", f"output_dir={tmp_path}"])
     assert generation_dtype(cfg) is None  # the model's own
+
+
+def test_the_machine_measurement_is_quick_and_real(tmp_path, monkeypatch):
+    import time
+
+    from grpo_pipeline.runtime import machine
+
+    started = time.perf_counter()
+    timing = machine.measure(packed=False)
+    assert time.perf_counter() - started < 3 and timing["float32_ms"] > 0 and timing["bfloat16_ms"] > 0
 
 
 def test_unknown_generation_dtype_is_a_config_error(compose_cfg, tmp_path):

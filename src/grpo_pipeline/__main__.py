@@ -21,7 +21,13 @@ from omegaconf import DictConfig
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.errors import PipelineError
-from grpo_pipeline.redact import mask_credentials, redact_hydra_files, redact_log_records
+from grpo_pipeline.redact import (
+    mask_secrets,
+    redact_hydra_files,
+    redact_log_records,
+    register_config,
+    register_overrides,
+)
 
 register_configs()
 
@@ -32,12 +38,15 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     from grpo_pipeline.sweep import sweep_job
 
     hydra_cfg = HydraConfig.get()
+    register_config(cfg)  # secret values and what ${oc.env:...} resolves to: masked in everything written
     redact_hydra_files(hydra_cfg)
     overrides = list(hydra_cfg.overrides.task)
     try:
         tags, name = sweep_job(hydra_cfg.sweep.dir, overrides) if hydra_cfg.mode == RunMode.MULTIRUN else (None, None)
         if name and not cfg.tracking.run_name:
             cfg.tracking.run_name = name
+        if cfg.resume not in (None, "auto") and hydra_cfg.mode != RunMode.MULTIRUN:
+            cfg, overrides = _resumed(cfg, overrides)
         check_config(cfg)  # a config error is reported in seconds, before torch and transformers load
         from grpo_pipeline.recipe import train
 
@@ -49,7 +58,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             return job_failed(cfg, e)
         if not isinstance(e, PipelineError) or os.environ.get("GRPO_PIPELINE_TRACEBACK"):
             raise
-        print(f"\nERROR: {mask_credentials(str(e))}", file=sys.stderr)
+        print(f"\nERROR: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
     print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")
     # The value a sweeper (e.g. Optuna) maximises.
@@ -58,12 +67,31 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     return result.last_reward
 
 
+def _resumed(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """resume=<run dir>: the run's own overrides, then this command's (run_dir.resume_overrides)."""
+    from hydra import compose
+
+    from grpo_pipeline.run_dir import read_record, resume_overrides
+
+    record = read_record(cfg.resume)
+    if record is None:  # not a run dir of this version: the recipe says what is wrong with it
+        return cfg, overrides
+    merged = [*resume_overrides(record, overrides), f"resume={cfg.resume}"]
+    try:
+        resumed = compose(config_name="train", overrides=merged)
+    except Exception as e:
+        raise PipelineError(f"resume={cfg.resume}: the run's overrides and this command's do not compose ({e}).") from e
+    register_config(resumed)
+    return resumed, overrides
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "translate":  # grpo-pipeline translate [--run] -- <other CLI's flags>
         from grpo_pipeline.translate import main as translate_main
 
         translate_main(sys.argv[2:])
         return
+    register_overrides(sys.argv[1:])  # secrets given on the command line, before Hydra logs or writes them
     redact_log_records()  # before Hydra logs the overrides (e.g. a multirun's job list)
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' v6 renames flood the console

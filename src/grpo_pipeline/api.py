@@ -32,6 +32,13 @@ def compose_config(overrides: list[str] | None = None, config_dir: str | Path | 
     overrides = list(overrides or [])
     if config_dir is not None:
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
+    resume = next((o.partition("=")[2] for o in overrides if o.startswith("resume=")), None)
+    if resume not in (None, "auto", "null"):  # the run's own overrides, then these (run_dir.resume_overrides)
+        from grpo_pipeline.run_dir import read_record, resume_overrides
+
+        record = read_record(resume)
+        if record is not None:
+            overrides = [*resume_overrides(record, overrides), f"resume={resume}"]
     if not any(o.startswith("output_dir=") for o in overrides):
         stamp = time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{time.time_ns() % 1_000_000:06d}"
         overrides.append(f"output_dir={Path('outputs/runs') / stamp}")

@@ -8,12 +8,15 @@ every step, so a signal to any rank stops every rank after the same step (no ran
 collective for the others).
 """
 
+import math
 import signal
 import threading
 import time
 
+import torch
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
+from grpo_pipeline.errors import PipelineError
 from grpo_pipeline.tracking import Tracker, numeric
 
 
@@ -120,3 +123,34 @@ def _max_over_ranks(code: int, device) -> int:
     flag = torch.tensor([code], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+class Diverged(PipelineError):
+    """Training produced a non-finite loss, reward or gradient."""
+
+
+class DivergenceGuard(TrainerCallback):
+    """Stop the run at the first non-finite gradient (before the optimizer step writes it into the weights, so the
+    weights saved to model-interrupted/ are the last finite ones), loss or mean reward."""
+
+    def __init__(self, learning_rate: float):
+        self.learning_rate = learning_rate
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
+        if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads]).sum()):
+            raise Diverged(f"Training diverged at step {state.global_step + 1}: its gradients are not finite, so its "
+                           f"optimizer step was not taken. {self._fix(state.global_step)}")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key in ("loss", "reward", "grad_norm"):
+            value = (logs or {}).get(key)
+            if isinstance(value, int | float) and not math.isfinite(value):
+                raise Diverged(f"Training diverged at step {state.global_step}: {key} is {value}. "
+                               f"{self._fix(state.global_step)}")
+
+    def _fix(self, steps_done: int) -> str:
+        kept = ("The weights before it are kept in model-interrupted/, the checkpoints saved so far in checkpoints/."
+                if steps_done else "Nothing was trained yet.")
+        return (f"{kept} Lower training.learning_rate (now {self.learning_rate:g}) or training.max_grad_norm; "
+                "a reward component returning NaN/inf shows as reward.")

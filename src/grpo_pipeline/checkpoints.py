@@ -1,22 +1,29 @@
-"""Finding the checkpoint to resume from.
+"""Checkpoints: which one a resume may load, and when one counts as written.
 
 Checkpoints are TRL/transformers Trainer checkpoints (`<run dir>/checkpoints/checkpoint-<step>`, every
-`training.save_steps`, the last `training.save_total_limit` kept): weights or adapter, optimizer,
-scheduler, RNG states and the data position, so a resumed run continues at the same global step.
-`trainer_state.json` is the last file a checkpoint gets: a checkpoint counts only when that file parses
-and names its step. A folder a kill left half-written is removed on resume, never loaded.
+`training.save_steps`): weights or adapter, optimizer, scheduler, RNG states and the data position, so a resumed
+run continues at the same global step. A checkpoint counts only once `CheckpointMarker` has written its marker
+(`run_checkpoint.json`: the run's id and the step), after every process finished its part and the files were
+fsync'd; a folder without it (a kill mid-save) is removed on resume, never loaded. The marker's run id must be the
+run dir's own (`run.json`), so a resume never continues another run's checkpoint. The marker callback also keeps
+the last `training.save_total_limit` marked checkpoints (transformers' own rotation would delete the older one
+before the new one is marked).
 """
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
 
-from grpo_pipeline.errors import ConfigError, PipelineError
+from transformers.trainer_callback import TrainerCallback
+
+from grpo_pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 RUN_ID_FILE = "mlflow_run_id"
+MARKER = "run_checkpoint.json"
 
 
 class TrainingStopped(PipelineError):
@@ -27,45 +34,111 @@ class TrainingStopped(PipelineError):
         self.exit_code = exit_code
 
 
-def _step(path: Path) -> int | None:
+def step_of(path: Path) -> int | None:
     m = re.fullmatch(r"checkpoint-(\d+)", path.name)
     return int(m.group(1)) if m else None
 
 
-def is_complete(checkpoint: Path) -> bool:
+def marker_of(checkpoint: Path) -> dict | None:
     try:
-        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        marker = json.loads((checkpoint / MARKER).read_text())
     except (OSError, ValueError):
-        return False
-    return state.get("global_step") == _step(checkpoint)
+        return None
+    return marker if isinstance(marker, dict) and marker.get("step") == step_of(checkpoint) else None
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = [(step, p) for p in (run_dir / "checkpoints").glob("checkpoint-*")
-             if (step := _step(p)) is not None and is_complete(p)]
-    return max(found)[1] if found else None
+def is_complete(checkpoint: Path, run_uid: str | None = None) -> bool:
+    """Marked complete (by this run, when `run_uid` is given)."""
+    marker = marker_of(checkpoint)
+    return marker is not None and (run_uid is None or marker.get("run_uid") == run_uid)
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoint folders, newest step first."""
+    found = [(s, p) for p in (Path(run_dir) / "checkpoints").glob("checkpoint-*") if (s := step_of(p)) is not None]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resumable(run_dir: Path, run_uid: str | None) -> list[Path]:
+    """The complete checkpoints of run `run_uid`, newest first (a resume tries them in this order)."""
+    return [p for p in checkpoints(run_dir) if is_complete(p, run_uid)]
+
+
+def foreign(run_dir: Path, run_uid: str | None) -> list[Path]:
+    """Complete checkpoints written by another run than `run_uid`."""
+    return [p for p in checkpoints(run_dir) if is_complete(p) and not is_complete(p, run_uid)]
 
 
 def remove_incomplete(run_dir: Path) -> None:
     """Remove the checkpoint folders that a kill left half-written."""
-    for p in (run_dir / "checkpoints").glob("checkpoint-*"):
-        if _step(p) is not None and not is_complete(p):
-            log.warning("Removing %s: a kill left it half-written (no valid trainer_state.json).", p)
+    for p in checkpoints(run_dir):
+        if not is_complete(p):
+            log.warning("Removing %s: a kill left it half-written (no %s).", p, MARKER)
             shutil.rmtree(p, ignore_errors=True)
 
 
-def resolve_resume(resume: str | None, output_dir: str) -> tuple[Path, Path | None]:
-    """(run dir, checkpoint to resume from). resume: null | auto | <run dir of an earlier run>."""
-    if resume is None:
-        return Path(output_dir), None
-    if resume == "auto":  # continue this run dir if it has a checkpoint (e.g. a requeued Slurm job)
-        return Path(output_dir), latest_checkpoint(Path(output_dir))
-    run_dir = Path(resume)
-    if not run_dir.is_dir():
-        raise ConfigError(f"resume={resume!r} is not a directory. Pass the run dir of an earlier run "
-                          "(outputs/runs/<date>/<time>), or resume=auto.")
-    checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise ConfigError(f"resume={resume!r} has no complete checkpoint under {run_dir / 'checkpoints'}. Runs save "
-                          "checkpoints only with training.save_steps > 0.")
-    return run_dir, checkpoint
+def fsync_tree(path: Path) -> None:
+    """fsync every file under `path`, then the folders: what a crash of the machine must not lose."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fsync_file(Path(root) / name)
+        fsync_dir(Path(root))
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - a platform without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write `text` to a temporary name, fsync, rename: a reader sees the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+class CheckpointMarker(TrainerCallback):
+    """After every process saved its part of checkpoint N: fsync it, write its marker, keep the last `keep`."""
+
+    def __init__(self, run_uid: str, keep: int):
+        self.run_uid, self.keep = run_uid, max(1, keep)
+
+    def on_save(self, args, state, control, **kwargs):
+        _barrier()  # every rank finished writing its shards and optimizer state
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                fsync_tree(folder)
+                write_durably(folder / MARKER, json.dumps({"run_uid": self.run_uid, "step": state.global_step}))
+                for old in resumable(Path(args.output_dir).parent, self.run_uid)[self.keep:]:
+                    shutil.rmtree(old, ignore_errors=True)
+        _barrier()  # no rank goes on (and may be killed) before the marker is on disk
+        return control
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

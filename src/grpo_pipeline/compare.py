@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo_pipeline.redact import mask_credentials
+from grpo_pipeline.redact import mask_secrets
 from grpo_pipeline.tracking import default_tracking_uri
 
 COLUMNS = ("run", "status", "final reward", "held-out after", "gain", "gain se", "kl", "wall s", "error")
@@ -131,7 +131,7 @@ def points(items: list[dict]) -> list[dict]:
 
 def points_table(pts: list[dict]) -> str:
     head = ("point", "seeds", "mean", "95% CI", "vs best")
-    cells = [[mask_credentials(p["point"]), str(p["seeds"]), f"{p['mean']:.3f}", f"{p['low']:.3f}..{p['high']:.3f}",
+    cells = [[mask_secrets(p["point"]), str(p["seeds"]), f"{p['mean']:.3f}", f"{p['low']:.3f}..{p['high']:.3f}",
               p["vs best"]] for p in pts]
     widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(head)]
     lines = [" | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip(),
@@ -152,7 +152,7 @@ def plot_points(pts: list[dict], path: Path) -> None:
         ax.errorbar(p["mean"], y, xerr=[[p["mean"] - p["low"]], [p["high"] - p["mean"]]], fmt="o", capsize=4,
                     color="tab:blue" if p["vs best"] == "best" or p["vs best"].startswith("within") else "tab:gray")
         ax.scatter(p["scores"], [y] * len(p["scores"]), s=10, color="black", alpha=0.5, zorder=3)
-    ax.set_yticks(ys, [f"{mask_credentials(p['point'])[:60]} (n={p['seeds']})" for p in pts], fontsize=7)
+    ax.set_yticks(ys, [f"{mask_secrets(p['point'])[:60]} (n={p['seeds']})" for p in pts], fontsize=7)
     ax.set_xlabel("held-out mean reward after training: mean over seeds, bootstrap 95% interval, each seed")
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
@@ -164,7 +164,7 @@ def table(items: list[dict]) -> str:
     def fmt(v):
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
-    cells = [[mask_credentials(fmt(item[c])) for c in COLUMNS] for item in items]
+    cells = [[mask_secrets(fmt(item[c])) for c in COLUMNS] for item in items]
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(COLUMNS)]
     widths[-1] = len(COLUMNS[-1])  # the error, last and unpadded: one long message must not widen every row
     lines = [" | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)),
@@ -183,7 +183,7 @@ def plot(client, items: list[dict], path: Path) -> None:
     for item in items:
         history = sorted(client.get_metric_history(item["run_id"], "reward"), key=lambda m: m.step)
         if history:
-            ax.plot([m.step for m in history], [m.value for m in history], label=mask_credentials(item["run"])[:50])
+            ax.plot([m.step for m in history], [m.value for m in history], label=mask_secrets(item["run"])[:50])
     ax.set_xlabel("step")
     ax.set_ylabel("mean reward")
     ax.grid(alpha=0.3)
@@ -217,7 +217,7 @@ def compare(client, target: str, metric: str = "reward", out_dir: Path | None = 
             client.log_metric(parent, f"point{i}/mean", p["mean"])
             client.log_metric(parent, f"point{i}/ci_low", p["low"])
             client.log_metric(parent, f"point{i}/ci_high", p["high"])
-            client.set_tag(parent, f"point{i}", mask_credentials(f"{p['point']} (n={p['seeds']}): {p['vs best']}")[:5000])
+            client.set_tag(parent, f"point{i}", mask_secrets(f"{p['point']} (n={p['seeds']}): {p['vs best']}")[:5000])
     return text, png, items
 
 

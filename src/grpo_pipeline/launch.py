@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
                  cfg.vllm.server_host, cfg.vllm.server_port, overrides)
     except ConfigError as e:
         sys.exit(f"ERROR: {e}")
-    print(p.shell())
+    from grpo_pipeline.redact import mask_secrets, register_overrides
+
+    register_overrides(overrides)
+    print(mask_secrets(p.shell()))
     if args.dry_run:
         return
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, p.server_gpus)))

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from grpo_pipeline.redact import mask_secrets
+
 FILE = "episodes.jsonl"
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ class Ledger:
                 "seconds": _number(seconds[i]) if seconds is not None else None,
                 "failure": (failures[i] or None) if failures is not None else None,
             }
-            lines.append(json.dumps(entry, default=str))
+            lines.append(mask_secrets(json.dumps(entry, default=str)))
         with self.path.open("a") as f:  # one write per batch; a kill mid-write leaves one cut line at most
             f.write("".join(line + "\n" for line in lines))
         self.seconds += time.monotonic() - started

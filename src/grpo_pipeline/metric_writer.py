@@ -16,7 +16,7 @@ import math
 import threading
 import time
 
-from grpo_pipeline.redact import mask_credentials
+from grpo_pipeline.redact import mask_secrets
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
@@ -135,7 +135,7 @@ class MetricWriter:
 
 def _line(error: BaseException) -> str:
     line = (str(error).splitlines() or [""])[0]
-    return mask_credentials(f"{error.__class__.__name__}: {line}"[:300])
+    return mask_secrets(f"{error.__class__.__name__}: {line}"[:300])
 
 
 def _permanent(error: BaseException) -> bool:

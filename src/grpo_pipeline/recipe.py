@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_pipeline.callbacks import RunLogger, StopControl
-from grpo_pipeline.checkpoints import RUN_ID_FILE, TrainingStopped, remove_incomplete, resolve_resume
+from grpo_pipeline.callbacks import DivergenceGuard, RunLogger, StopControl
+from grpo_pipeline.checkpoints import RUN_ID_FILE, CheckpointMarker, TrainingStopped, remove_incomplete
 from grpo_pipeline.config.validate import check_config, fit_step_to_data
 from grpo_pipeline.envs.loader import (
     build_env_dataset,
@@ -35,8 +36,9 @@ from grpo_pipeline.evaluation import Split, evaluate, paired_gain, split_heldout
 from grpo_pipeline.ledger import heldout_scores
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
-from grpo_pipeline.redact import mask_credentials, redact_log_records
+from grpo_pipeline.redact import mask_override, masked_config, redact_log_records, register_config
 from grpo_pipeline.rewards import build_rewards
+from grpo_pipeline.run_dir import check_changes, claim, record_changes, resume_command, write_record
 from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 from grpo_pipeline.runtime.rollout import make_rollout
@@ -54,12 +56,16 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     """Run one GRPO training. `env` may be an env class or instance (instead of `env._target_`)."""
     started = time.monotonic()
     redact_log_records()
+    register_config(cfg)  # secret values are masked in everything the run writes; the env gets the real ones
     launch_dir = launch_dir or os.getcwd()
     is_main = int(os.environ.get("RANK", "0")) == 0
 
     # 1. Everything that can be checked without weights.
     check_config(cfg)
-    run_dir, checkpoint = resolve_resume(cfg.resume, cfg.output_dir)
+    run_dir = Path(cfg.output_dir if cfg.resume in (None, "auto") else cfg.resume)
+    record, checkpoints = claim(run_dir, cfg.resume)  # one run per run dir; only its own checkpoints
+    changes = check_changes(run_dir, masked_config(cfg), list(cfg.resume_allow)) if record else {}
+    checkpoint = checkpoints[0] if checkpoints else None
     env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
     env_name = type(env).__qualname__
     split = Split(dataset, None, None)
@@ -84,7 +90,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
 
     grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights, bool(tool_functions))
-    tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main)
+    tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main,
+                      uri=(record or {}).get("tracking_uri"))  # a resume writes to the store the run started in
+    run_uid = record["uid"] if record else uuid.uuid4().hex[:12]
 
     # 2. The run.
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,9 +100,13 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     stop = StopControl(tracker, max_minutes=cfg.training.max_minutes)
     try:
         stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
-        _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main)
+        _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
                                  tool_functions, rollout, extra_columns)
+        trainer.add_callback(CheckpointMarker(run_uid, cfg.training.save_total_limit))
+        trainer.add_callback(DivergenceGuard(cfg.training.learning_rate))
+        if checkpoint is not None and is_main:
+            record_changes(run_dir, _step_of(checkpoint), changes, tracker)
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
@@ -128,7 +140,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             why = f"by signal {stop.signum}" if stop.signum is not None else f"because {stop.reason}"
             raise TrainingStopped(
                 f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
-                f"{run_dir / 'checkpoints'}. Continue with: resume={run_dir}",
+                f"{run_dir / 'checkpoints'}. Continue with:\n  {resume_command(run_dir)}",
                 128 + stop.signum if stop.signum is not None else 3)
         model_path = _save_models(cfg, trainer, tokenizer, run_dir, validation) if cfg.training.save_model else None
         if stop.signum is not None:  # training was over: keep the model, skip the rest
@@ -206,21 +218,27 @@ def sampling(gen) -> dict:
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
 
 
-def _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main) -> None:
+def _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir) -> None:
+    """Reopen the run's MLflow run (a resume), or start one and write the run's record and config (never
+    rewritten: a resume's changes go to config_changes.yaml)."""
     if checkpoint is not None and is_main:
         remove_incomplete(run_dir)
-    if checkpoint is not None and (run_dir / RUN_ID_FILE).exists():
-        tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
+    if checkpoint is not None:
+        if (run_dir / RUN_ID_FILE).exists():
+            tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
         log.warning("Resuming %s from %s", run_dir, checkpoint.name)
-    else:
-        all_tags = {"env": env_name, "model": cfg.model.name, "overrides": " ".join(overrides or [])}
-        tracker.start(cfg.tracking.run_name or run_name(cfg, env_name, overrides),
-                      flatten(OmegaConf.to_container(cfg, resolve=True)), all_tags | (tags or {}),
-                      description=description(cfg, env_name, overrides))
-        if is_main and tracker.run_id:
-            (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
+        return
+    all_tags = {"env": env_name, "model": cfg.model.name,
+                "overrides": " ".join(mask_override(o) for o in overrides or [])}
+    tracker.start(cfg.tracking.run_name or run_name(cfg, env_name, overrides),
+                  flatten(masked_config(cfg)), all_tags | (tags or {}),
+                  description=description(cfg, env_name, overrides))
     if is_main:
-        (run_dir / "resolved_config.yaml").write_text(mask_credentials(OmegaConf.to_yaml(cfg, resolve=True)))
+        if tracker.run_id:
+            (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
+        (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(masked_config(cfg)))
+        write_record(run_dir, overrides or [], launch_dir, tracker.uri if tracker.enabled else None, tracker.run_id,
+                     uid=run_uid)
 
 
 def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,
@@ -342,6 +360,10 @@ def _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracke
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
         eval_seconds=round(v.seconds, 2) if v else 0.0,
     )
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.rsplit("-", 1)[1])
 
 
 def _as_list(value) -> list[str]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.redact import mask_credentials
+from grpo_pipeline.redact import mask_override, mask_secrets
 from grpo_pipeline.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool 
 def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
     from grpo_pipeline.plots import plot_rewards
 
-    (run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+    (run_dir / "summary.json").write_text(mask_secrets(json.dumps(result.summary(), indent=2)))
     if result.rewards:
         plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after,
                      result.validation, result.model_step)
@@ -83,11 +83,11 @@ def description(cfg, env_name: str, overrides: list[str] | None) -> str:
             f"{steps}, lr {cfg.training.learning_rate:g}, {cfg.generation.num_generations} completions per prompt, "
             f"{cfg.training.batch_size} per step, up to {cfg.generation.max_new_tokens} new tokens, seed {cfg.seed}.")
     if overrides:
-        text += "\n\nOverrides: " + " ".join(overrides)
-    return mask_credentials(text)
+        text += "\n\nOverrides: " + " ".join(mask_override(o) for o in overrides)
+    return mask_secrets(text)
 
 
 def run_name(cfg, env_name: str, overrides: list[str] | None) -> str:
     if overrides:
-        return ",".join(overrides)[:200]
+        return mask_secrets(",".join(mask_override(o) for o in overrides))[:200]
     return f"{cfg.model.name}-{env_name}-{cfg.loss.loss_type}"

@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from grpo_pipeline.redact import mask_credentials, redact_log_records
+from grpo_pipeline.redact import mask_override, mask_secrets, redact_log_records, register_overrides
 
 log = logging.getLogger(__name__)
 PARENT_FILE = "sweep_parent_run_id"
@@ -65,7 +65,7 @@ def swept_keys(task_overrides: list[str], sweeper_params: dict | None) -> list[s
 def sweep_job(sweep_dir: str, overrides: list[str]) -> tuple[dict[str, str], str | None]:
     """(tags, run name) for a job of the sweep in sweep_dir: its parent run, the sweep id, and a name made
     of the swept overrides only (e.g. 'loss.kl_coef=0.05,generation.num_generations=8')."""
-    tags = {"sweep_id": mask_credentials(str(sweep_dir))}
+    tags = {"sweep_id": mask_secrets(str(sweep_dir))}
     parent = Path(sweep_dir) / PARENT_FILE
     if parent.exists():
         tags["mlflow.parentRunId"] = parent.read_text().strip()
@@ -73,7 +73,7 @@ def sweep_job(sweep_dir: str, overrides: list[str]) -> tuple[dict[str, str], str
     name = None
     if keys_file.exists():
         keys = set(json.loads(keys_file.read_text()))
-        name = ",".join(o for o in overrides if o.partition("=")[0].lstrip("+~") in keys) or None
+        name = ",".join(mask_override(o) for o in overrides if o.partition("=")[0].lstrip("+~") in keys) or None
     return tags, name
 
 
@@ -89,7 +89,7 @@ def error_line(error: BaseException) -> str:
         else:
             detail = rest[0].strip().lstrip("- ")
         line = f"{line} {detail.strip()}"
-    return mask_credentials(line)[:500]
+    return mask_secrets(line)[:500]
 
 
 def _stop_exit_code(error: BaseException) -> int | None:
@@ -111,10 +111,10 @@ def job_failed(cfg: DictConfig, error: BaseException) -> None:
     exit_code = _stop_exit_code(error)
     if exit_code is not None:
         _stopped["exit_code"] = exit_code
-        print(f"\n{mask_credentials(str(error)) or 'Interrupted.'}\nThe sweep stops: job {hydra_cfg.job.num} was "
+        print(f"\n{mask_secrets(str(error)) or 'Interrupted.'}\nThe sweep stops: job {hydra_cfg.job.num} was "
               f"interrupted (exit {exit_code}); no further job starts. Sweep dir: {hydra_cfg.sweep.dir}", file=sys.stderr)
         raise SystemExit(exit_code)
-    log.error("Job %s failed: %s", hydra_cfg.job.num, mask_credentials(str(error) or repr(error)),
+    log.error("Job %s failed: %s", hydra_cfg.job.num, mask_secrets(str(error) or repr(error)),
               exc_info=bool(os.environ.get("GRPO_PIPELINE_TRACEBACK")))
     parent_file = Path(hydra_cfg.sweep.dir) / PARENT_FILE
     if not cfg.tracking.enabled or not parent_file.exists():
@@ -123,7 +123,7 @@ def job_failed(cfg: DictConfig, error: BaseException) -> None:
         _record_failure(cfg, parent_file.read_text().strip(), list(hydra_cfg.overrides.task), first_line)
     except Exception as e:  # e.g. the tracking config itself is what is broken
         log.error("Could not record the failed job %s in MLflow: %s", hydra_cfg.job.num,
-                  mask_credentials(str(e).splitlines()[0] if str(e) else repr(e)))
+                  mask_secrets(str(e).splitlines()[0] if str(e) else repr(e)))
     return None  # the value Optuna counts as a failed trial without stopping the study
 
 
@@ -145,11 +145,12 @@ def _record_failure(cfg: DictConfig, parent_id: str, overrides: list[str], error
             client.set_tag(run.info.run_id, "error", error)  # the recipe's own tag may be a bare header line
             return
     tags, name = sweep_job(str(HydraConfig.get().sweep.dir), overrides)
-    tags |= {"overrides": mask_credentials(" ".join(overrides))[:5000], "error": error}
-    run = client.create_run(experiment_id, run_name=mask_credentials(name or ",".join(overrides) or "job")[:250],
+    overrides = [mask_override(o) for o in overrides]
+    tags |= {"overrides": mask_secrets(" ".join(overrides))[:5000], "error": error}
+    run = client.create_run(experiment_id, run_name=mask_secrets(name or ",".join(overrides) or "job")[:250],
                             tags=tags)
     params = dict(o.lstrip("+~").partition("=")[::2] for o in overrides if "=" in o)
-    client.log_batch(run.info.run_id, params=[Param(k, mask_credentials(v)[:6000]) for k, v in params.items()])
+    client.log_batch(run.info.run_id, params=[Param(k, mask_secrets(v)[:6000]) for k, v in params.items()])
     client.set_terminated(run.info.run_id, "FAILED")
 
 
@@ -162,15 +163,16 @@ class SweepCallback(Callback):
         self._previous_handlers: dict[int, object] = {}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        register_overrides(list(config.hydra.overrides.task))
         redact_log_records()  # Hydra logs each job's overrides ("#0 : ...") before any job runs
         if not config.tracking.enabled:
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         client, experiment_id = _client_and_experiment(config)
-        overrides = mask_credentials(" ".join(config.hydra.overrides.task))
+        overrides = mask_secrets(" ".join(mask_override(o) for o in config.hydra.overrides.task))
         run = client.create_run(experiment_id, run_name=f"sweep {sweep_dir.name}: {overrides}"[:250],
-                                tags={"sweep_id": mask_credentials(str(sweep_dir)), "sweep_role": "parent",
+                                tags={"sweep_id": mask_secrets(str(sweep_dir)), "sweep_role": "parent",
                                       "overrides": overrides[:5000]})
         self.parent_id, self._config = run.info.run_id, config
         (sweep_dir / PARENT_FILE).write_text(self.parent_id)
@@ -207,7 +209,7 @@ class SweepCallback(Callback):
             text, png, items = compare(client, parent_id, self.metric, Path(self._config.hydra.sweep.dir))
             print(f"\nSweep results (sorted by {self.metric}):\n{text}\nreward curves: {png}")
         except Exception as e:
-            log.error("Could not compare the sweep's jobs: %s", mask_credentials(str(e)))
+            log.error("Could not compare the sweep's jobs: %s", mask_secrets(str(e)))
         finally:
             client.set_terminated(parent_id, status)
         return items
@@ -224,7 +226,7 @@ class SweepCallback(Callback):
         try:
             self._finish(status)
         except Exception as e:
-            log.error("Could not close the sweep's parent run: %s", mask_credentials(str(e)))
+            log.error("Could not close the sweep's parent run: %s", mask_secrets(str(e)))
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

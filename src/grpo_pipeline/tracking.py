@@ -9,7 +9,7 @@ refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI 
 Metrics go through a background `MetricWriter` (retries, grace period). With checkpoints on, a step's
 metrics reach MLflow once a checkpoint covers it; TRL's `trainer_state.json` in each checkpoint holds the
 metrics of every step up to it, and `resume` writes any of those MLflow lacks, so a kill at any moment
-loses nothing and duplicates nothing. Everything written here passes through `mask_credentials`.
+loses nothing and duplicates nothing. Everything written here passes through `mask_secrets`.
 """
 
 import json
@@ -23,7 +23,7 @@ from typing import Any
 
 from grpo_pipeline.config.schema import TrackingConfig
 from grpo_pipeline.errors import ConfigError, PipelineError
-from grpo_pipeline.redact import mask_credentials
+from grpo_pipeline.redact import mask_secrets
 
 log = logging.getLogger(__name__)
 _MAX_PARAM_LEN = 500
@@ -55,7 +55,7 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
         for key, value in node.items():
             out.update(flatten(value, f"{prefix}{key}."))
         return out
-    return {prefix.rstrip("."): mask_credentials(str(node))[:_MAX_PARAM_LEN]}
+    return {prefix.rstrip("."): mask_secrets(str(node))[:_MAX_PARAM_LEN]}
 
 
 def retry(call: Callable, grace_s: float, what: str):
@@ -77,17 +77,19 @@ def retry(call: Callable, grace_s: float, what: str):
 class Tracker:
     """One MLflow run. With tracking disabled every method is a no-op."""
 
-    def __init__(self, cfg: TrackingConfig, launch_dir: str | Path, enabled: bool = True):
+    def __init__(self, cfg: TrackingConfig, launch_dir: str | Path, enabled: bool = True, uri: str | None = None):
         self.enabled = cfg.enabled and enabled
         self.cfg = cfg
         self.run_id: str | None = None
+        self.uri: str | None = None
+        self.nonfinite: dict[str, int] = {}  # metric -> how many of its values were NaN/inf
         self.writer = None
         self._gave_up: str | None = None
         if not self.enabled:
             return
         from mlflow.tracking import MlflowClient
 
-        self.uri = cfg.tracking_uri or default_tracking_uri(launch_dir)
+        self.uri = cfg.tracking_uri or uri or default_tracking_uri(launch_dir)
         # Fail in seconds, not after minutes of retries, when a tracking server is unreachable at start.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # we retry ourselves (MetricWriter, retry)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -108,8 +110,8 @@ class Tracker:
                     self.client.set_experiment_tag(self.experiment_id, *_EXPERIMENT_KIND)
         except Exception as e:
             raise ConfigError(
-                f"tracking.tracking_uri='{mask_credentials(self.uri)}' is not usable ({e.__class__.__name__}: "
-                f"{mask_credentials(str(e)[:300])}). Fix the URI (e.g. sqlite:///outputs/mlflow.db or "
+                f"tracking.tracking_uri='{mask_secrets(self.uri)}' is not usable ({e.__class__.__name__}: "
+                f"{mask_secrets(str(e)[:300])}). Fix the URI (e.g. sqlite:///outputs/mlflow.db or "
                 "http://host:5000), or set tracking.enabled=false."
             ) from e
 
@@ -119,12 +121,12 @@ class Tracker:
             return
         from mlflow.entities import Param
 
-        tags = {k: mask_credentials(str(v))[:_MAX_TAG_LEN] for k, v in tags.items()}
+        tags = {k: mask_secrets(str(v))[:_MAX_TAG_LEN] for k, v in tags.items()}
         if description:
-            tags["mlflow.note.content"] = mask_credentials(description)
-        run = self.client.create_run(self.experiment_id, run_name=mask_credentials(run_name)[:250], tags=tags)
+            tags["mlflow.note.content"] = mask_secrets(description)
+        run = self.client.create_run(self.experiment_id, run_name=mask_secrets(run_name)[:250], tags=tags)
         self.run_id = run.info.run_id
-        items = [Param(k, mask_credentials(v)) for k, v in sorted(params.items())]
+        items = [Param(k, mask_secrets(v)) for k, v in sorted(params.items())]
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i : i + 100])
         self._start_writer()
@@ -155,7 +157,12 @@ class Tracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.writer.add([Metric(_metric_key(k), v, now, step) for k, v in metrics.items() if math.isfinite(v)])
+        for key, value in metrics.items():  # counted, not dropped: MLflow would show only a gap
+            if not math.isfinite(value):
+                self.nonfinite[key] = self.nonfinite.get(key, 0) + 1
+        counts = {f"nonfinite/{k}": float(n) for k, n in self.nonfinite.items()}
+        self.writer.add([Metric(_metric_key(k), v, now, step) for k, v in (metrics | counts).items()
+                         if math.isfinite(v)])
 
     def log_now(self, metrics: dict[str, float], step: int) -> None:
         """Write at once, whatever is held back (for evaluations that a resumed run never repeats)."""
@@ -180,7 +187,7 @@ class Tracker:
 
     def set_tag(self, key: str, value: str) -> None:
         if self.run_id:
-            retry(lambda: self.client.set_tag(self.run_id, key, mask_credentials(str(value))[:_MAX_TAG_LEN]),
+            retry(lambda: self.client.set_tag(self.run_id, key, mask_secrets(str(value))[:_MAX_TAG_LEN]),
                   self._grace, f"setting tag {key}")
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
@@ -270,7 +277,7 @@ def _metric_key(key: str) -> str:
 def first_line(error: BaseException, limit: int) -> str:
     """`ErrorClass: first line of the message`, credentials masked (the message may be empty)."""
     line = (str(error).splitlines() or [""])[0]
-    return mask_credentials(f"{error.__class__.__name__}: {line}"[:limit])
+    return mask_secrets(f"{error.__class__.__name__}: {line}"[:limit])
 
 
 def numeric(logs: dict) -> dict[str, float]:

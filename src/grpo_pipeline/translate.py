@@ -153,7 +153,10 @@ def main(argv: list[str]) -> None:
         overrides = translate(flags)
     except ConfigError as e:
         sys.exit(f"ERROR: {e}")
+    from grpo_pipeline.redact import mask_override, register_overrides
+
+    register_overrides(overrides)  # --rl-env-config '{"api_key": ...}': printed masked, run with the real value
     command = [sys.executable, "-m", "grpo_pipeline", *overrides]
-    print("python -m grpo_pipeline " + " ".join(shlex.quote(o) for o in overrides))
+    print("python -m grpo_pipeline " + " ".join(shlex.quote(mask_override(o)) for o in overrides))
     if run:
         sys.exit(subprocess.call(command))

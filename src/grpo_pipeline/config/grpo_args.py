@@ -59,9 +59,10 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "use_cpu": use_cpu,
         # logging and saving: metrics go to MLflow through our own callback (tracking.py)
         "logging_steps": train.logging_steps,
+        "logging_nan_inf_filter": False,  # a NaN loss is logged as NaN (DivergenceGuard stops), not averaged away
         "save_strategy": "steps" if train.save_steps > 0 else "no",
         "save_steps": train.save_steps if train.save_steps > 0 else 500,
-        "save_total_limit": train.save_total_limit,
+        "save_total_limit": None,  # checkpoints.CheckpointMarker keeps the last save_total_limit *complete* ones
         "report_to": "none",
         "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
         "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs

@@ -259,6 +259,9 @@ class TrackingConfig:
     # A store that fails every write (server restart, sqlite lock) is retried with backoff; only after
     # this many seconds does the run stop, with a checkpoint saved and the resume command printed.
     outage_grace_s: float = 600.0
+    # Config keys (globs, e.g. "env.*_url") whose values are secrets, besides those whose names contain key, token,
+    # secret, password, passwd or credential; and ${oc.env:...} values. Masked in everything written (redact.py).
+    secret_keys: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -280,8 +283,12 @@ class TrainConfig:
     # Where this job writes (Hydra's run dir by default).
     output_dir: str = MISSING
     # null: a new run | auto: continue output_dir from its latest checkpoint, if any |
-    # <run dir>: continue that earlier run (same MLflow run) from its latest checkpoint.
+    # <run dir>: continue that earlier run (same MLflow run) from its latest checkpoint, with its own config
+    # (the overrides it was started with, then this command's; see run_dir.py).
     resume: str | None = None
+    # Keys (globs) a resume may change although they change what a step computes, e.g. [loss.kl_coef]; each
+    # change is recorded with its step. Safe keys (training.max_steps, ...) need no opt-in.
+    resume_allow: list[str] = field(default_factory=list)
 
 
 def register_configs() -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from datasets import Dataset
 
 from grpo_pipeline.errors import ConfigError
+from grpo_pipeline.redact import MASK, is_secret_key, looks_secret, mask_secrets
 
 REQUIRED_METHODS = ("build_dataset", "score_episode")
 _HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
@@ -255,11 +256,19 @@ def load_env(env_cfg: Mapping, env: Any = None, launch_dir: str | os.PathLike | 
         try:
             return cls(*built_args, **built_kwargs)
         except Exception as e:
-            shown = f"*{args}, **{kwargs}" if args else f"**{kwargs}"
+            names = ", ".join(f"{k}={MASK if is_secret_key(k) and looks_secret(v) else _short(v)}"
+                              for k, v in kwargs.items())
+            shown = f"*{len(args)} positional, {names}" if args else names
             raise ConfigError(
-                f"env: {cls.__qualname__}({shown}) raised {e.__class__.__name__}: {e}. "
+                f"env: {cls.__qualname__}({shown}) raised {e.__class__.__name__}: {mask_secrets(str(e))}. "
                 "Fix the constructor kwargs under env."
             ) from e
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 
 def build_env_dataset(env: Any, tokenizer) -> Dataset:

@@ -30,7 +30,8 @@ from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
-from grpo_pipeline.runtime.merged import MergedCopy, can_pack, native_bf16
+from grpo_pipeline.runtime import machine
+from grpo_pipeline.runtime.merged import MergedCopy, can_pack
 from grpo_pipeline.runtime.sampler import RowCache, cached_rows, decode, expand_cache
 from grpo_pipeline.runtime.vllm_backend import VllmBackend, vllm_in_runtime, weight_sync
 
@@ -105,11 +106,13 @@ def make_rollout(cfg, env, tokenizer, runner, tool_functions: list) -> "Rollout 
 
 def generation_dtype(cfg, multi_turn: bool = False) -> "torch.dtype | None":
     """runtime.generation_dtype as a torch dtype; None where the copy keeps the model's own. null: bfloat16 for a
-    single-turn env's float32 model on a CPU with native bf16 (its rollouts measured ~1.8x faster, README
-    "Measured"); the model's own otherwise (a multi-turn env=hotel step measured slower in bf16, cause not found)."""
+    single-turn env's float32 model on a CPU where bf16 matmuls measure faster (runtime/machine.py); the model's own
+    otherwise (a multi-turn env=hotel step measured slower in bf16, cause not found)."""
     name = cfg.runtime.generation_dtype
-    if name is None:
-        name = "bfloat16" if _cpu_run(cfg) and not multi_turn and cfg.model.dtype == "float32" and native_bf16() else None
+    if name is None and _cpu_run(cfg) and not multi_turn and cfg.model.dtype == "float32":
+        choice = machine.sampling_dtype(packed_generation(cfg))
+        log.warning("runtime.generation_dtype=null -> %s: %s.", choice.value, choice.why)
+        name = choice.value
     return None if name is None or name == cfg.model.dtype else getattr(torch, name)
 
 

@@ -201,6 +201,9 @@ def _warp(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def _sample(logits: torch.Tensor) -> torch.Tensor:
     """One token per row from softmax(logits), by inverse CDF."""
     cdf = logits.softmax(-1).cumsum(-1)
+    if not torch.isfinite(cdf[:, -1]).all():  # what torch.multinomial (HF generate) raises on such a distribution
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (the policy's logits are "
+                           "not finite: training diverged?)")
     u = torch.rand((logits.size(0), 1), device=logits.device).clamp(min=1e-12) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.size(-1) - 1)
 

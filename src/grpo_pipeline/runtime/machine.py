@@ -1,0 +1,145 @@
+"""What this CPU does fast, from what it does rather than what oneDNN says it supports.
+
+`runtime.generation_dtype: null` samples from a bfloat16 copy only where bf16 really is faster here. oneDNN's
+`_is_mkldnn_bf16_supported()` is true on any AVX-512 CPU, also where bf16 is emulated: on an Intel Xeon with
+AVX-512 but without AVX512-BF16/AMX the bf16 copy decoded 2.2x slower and made the default run's step 1.4x
+slower (docs/results.md). So:
+- a CPU whose flags (Linux /proc/cpuinfo) lack avx512_bf16 and amx_bf16 samples in float32, unmeasured;
+- otherwise a ~0.3 s measurement times what a decode step spends its time on (the linear layers of a
+  SmolLM2-sized stack, a few rows, float32 as the runtime runs it, prepacked for oneDNN where it packs, against
+  bf16), and bf16 is chosen when it is at least `MIN_SPEEDUP` faster. The result is cached per machine (CPU
+  name, flags, torch version, threads) in `$GRPO_PIPELINE_CACHE` (default ~/.cache/grpo_pipeline/machine.json).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+MIN_SPEEDUP = 1.15  # below this, a bf16 copy's extra refresh and behaviour-log-prob bookkeeping are not worth it
+_SHAPE = (576, 1536, 6, 32)  # hidden, intermediate, layers, rows: SmolLM2-135M's MLP, the default run's rows
+
+
+@dataclass(frozen=True)
+class Choice:
+    value: str
+    why: str
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags (Linux), or None where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("GRPO_PIPELINE_CACHE") or Path.home() / ".cache" / "grpo_pipeline") / "machine.json"
+
+
+def sampling_dtype(packed: bool) -> Choice:
+    """float32 or bfloat16 for sampling a float32 model on this CPU, and why."""
+    flags = cpu_flags()
+    if flags is not None and not flags & {"avx512_bf16", "amx_bf16"}:
+        return Choice("float32", f"{cpu_name()} has no AVX512-BF16/AMX: bf16 would be emulated")
+    timing = bf16_timing(packed)
+    speedup = timing["float32_ms"] / timing["bfloat16_ms"]
+    value = "bfloat16" if speedup >= MIN_SPEEDUP else "float32"
+    return Choice(value, f"measured on {cpu_name()}: bf16 matmuls {speedup:.2f}x the speed of float32"
+                         f"{' (prepacked)' if packed else ''} (bf16 needs {MIN_SPEEDUP}x; {cache_path()})")
+
+
+def bf16_timing(packed: bool) -> dict:
+    """{float32_ms, bfloat16_ms}: one decode-like pass, cached per machine."""
+    key = _machine_key(packed)
+    path = cache_path()
+    try:
+        cached = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError):
+        cached = None
+    if cached:
+        return cached
+    timing = measure(packed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data[key] = timing
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: measure again next time
+        log.warning("Could not cache the machine measurement in %s (%s)", path, e)
+    return timing
+
+
+def measure(packed: bool, budget_s: float = 0.12) -> dict:
+    """Time the linear layers of a decode step in float32 (as the runtime runs it) and in bf16, interleaved."""
+    from grpo_pipeline.runtime.merged import PackedLinear
+
+    hidden, inter, layers, rows = _SHAPE
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) * 0.02 for _ in range(layers) for o, i in ((inter, hidden),
+                                                                                           (hidden, inter))]
+    if packed:
+        fp32 = [PackedLinear(torch.nn.Linear(w.shape[1], w.shape[0], bias=False)) for w in weights]
+        for layer, w in zip(fp32, weights, strict=True):
+            with torch.no_grad():
+                layer.weight.copy_(w)
+            layer.repack()
+    else:
+        fp32 = [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]
+    bf16 = [lambda x, w=w.to(torch.bfloat16): torch.nn.functional.linear(x, w) for w in weights]
+    inputs = {dtype: (torch.randn(rows, hidden, generator=gen).to(dtype), torch.randn(rows, inter, generator=gen).to(dtype))
+              for dtype in (torch.float32, torch.bfloat16)}
+
+    def one_pass(stack, dtype):
+        small, large = inputs[dtype]
+        for i, layer in enumerate(stack):
+            layer(small if i % 2 == 0 else large)
+
+    best = {"float32": float("inf"), "bfloat16": float("inf")}
+    with torch.no_grad():
+        for stack, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+            one_pass(stack, dtype)  # warm-up: oneDNN's kernel selection
+        for _ in range(3):  # interleaved rounds, the best of each: another process's burst hits both alike
+            for stack, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
+                started, n = time.perf_counter(), 0
+                while n < 2 or time.perf_counter() - started < budget_s / 3:
+                    one_pass(stack, dtype)
+                    n += 1
+                name = str(dtype).removeprefix("torch.")
+                best[name] = min(best[name], (time.perf_counter() - started) / n * 1000)
+    return {"float32_ms": round(best["float32"], 3), "bfloat16_ms": round(best["bfloat16"], 3),
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_name(), "threads": torch.get_num_threads()}
+
+
+def _machine_key(packed: bool) -> str:
+    flags = " ".join(sorted(cpu_flags() or []))
+    raw = f"{cpu_name()}|{hashlib.sha1(flags.encode()).hexdigest()[:8]}|torch {torch.__version__}|" \
+          f"{torch.get_num_threads()} threads|{'packed' if packed else 'plain'}"
+    return raw
