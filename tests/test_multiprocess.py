@@ -49,7 +49,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     _, err = launcher.communicate(timeout=300)  # no hang: both ranks leave
     for proc in ranks.values():
         assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    assert "Continue with: resume=" in err, err[-3000:]
+    assert "Continue with:" in err and f"-m grpo_pipeline resume={run_dir}" in err, err[-3000:]
     checkpoints = list((run_dir / "checkpoints").glob("checkpoint-*"))
     assert len(checkpoints) == 1, checkpoints  # one checkpoint, saved by both ranks at the same step
     step = json.loads((checkpoints[0] / "trainer_state.json").read_text())["global_step"]

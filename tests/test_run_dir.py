@@ -165,3 +165,53 @@ def test_the_stop_message_names_the_launch_dir_and_python(tmp_path):
     command = resume_command(tmp_path)
     assert re.match(rf"cd /some/project && {re.escape(sys.executable)} -m grpo_pipeline resume={tmp_path}", command)
     assert "'+env.api_key=${oc.env:API_KEY}'" in command and "sk-abc" not in command
+
+
+def test_a_resume_falls_back_when_the_newest_checkpoint_fails_to_load(tmp_path):
+    project = _project(tmp_path)
+    run_dir = project / "outputs" / "run"
+    assert _cli(project, *ARGS, "training.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
+    optimizer = run_dir / "checkpoints" / "checkpoint-2" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])  # a disk that lost the end of the file
+    again = _cli(project, f"resume={run_dir}", "training.max_steps=3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    printed = again.stdout + again.stderr
+    assert "checkpoint-2 fails to load" in printed and "falling back" in printed
+    client, runs = _runs(project)
+    assert len(runs) == 1 and sorted(_history(client, runs[0].info.run_id, "reward")) == [1, 2, 3]
+
+
+def test_outputs_are_replaced_whole_or_not_at_all(tmp_path):
+    from grpo_pipeline.checkpoints import replace_dir_durably, write_durably
+
+    target = tmp_path / "model"
+    replace_dir_durably(target, lambda d: (d.mkdir(), (d / "w.bin").write_text("old")))
+
+    def crash(d):
+        d.mkdir()
+        (d / "w.bin").write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        replace_dir_durably(target, crash)
+    assert (target / "w.bin").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    replace_dir_durably(target, lambda d: (d.mkdir(), (d / "w.bin").write_text("new")))
+    assert (target / "w.bin").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    write_durably(tmp_path / "summary.json", "{}")
+    assert (tmp_path / "summary.json").read_text() == "{}" and not list(tmp_path.glob(".*tmp"))
+
+
+def test_best_keeps_only_the_weights_that_can_still_be_chosen(tmp_path):
+    from grpo_pipeline.validation import Validation
+
+    best = tmp_path / "best"
+    best.mkdir()
+    for step in (5, 10, 15):
+        (best / f"step-{step}.safetensors").write_text("w")
+    state = {"stateful_callbacks": {"Validation": {"attributes": {"best_step": 10}}}}
+    (tmp_path / "checkpoints" / "checkpoint-12").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "checkpoint-12" / "trainer_state.json").write_text(json.dumps(state))
+    validation = Validation(lambda: {}, 5, 0, best, policy=None)
+    validation.best_step = 15
+    validation.prune()
+    assert sorted(p.name for p in best.iterdir()) == ["step-10.safetensors", "step-15.safetensors"]

@@ -130,27 +130,59 @@ class Diverged(PipelineError):
 
 
 class DivergenceGuard(TrainerCallback):
-    """Stop the run at the first non-finite gradient (before the optimizer step writes it into the weights, so the
-    weights saved to model-interrupted/ are the last finite ones), loss or mean reward."""
+    """Stop the run at the first non-finite gradient, weight, loss or mean reward. A non-finite gradient stops it
+    before the optimizer step writes it into the weights; an optimizer step that makes the weights non-finite
+    (finite gradients times a huge learning rate) is undone from a copy of the trainable weights taken before it
+    (LoRA adapters: a few MB; not taken above `SNAPSHOT_MAX` trainable parameters). So model-interrupted/ gets
+    the last finite weights."""
+
+    SNAPSHOT_MAX = 50_000_000
 
     def __init__(self, learning_rate: float):
         self.learning_rate = learning_rate
+        self._before: list[torch.Tensor] | None = None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        grads = [p.grad for p in model.parameters() if p.grad is not None] if model is not None else []
-        if grads and not torch.isfinite(torch.stack([g.detach().float().norm() for g in grads]).sum()):
+        params = _trainable(model)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and not finite(grads):
             raise Diverged(f"Training diverged at step {state.global_step + 1}: its gradients are not finite, so its "
-                           f"optimizer step was not taken. {self._fix(state.global_step)}")
+                           f"optimizer step was not taken. {self.fix(state.global_step)}")
+        small = sum(p.numel() for p in params) <= self.SNAPSHOT_MAX
+        self._before = [p.detach().clone() for p in params] if small else None
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        params = _trainable(model)
+        if params and not finite(params):
+            kept = self._before is not None
+            if kept:
+                with torch.no_grad():
+                    for p, before in zip(params, self._before, strict=True):
+                        p.copy_(before)
+            raise Diverged(f"Training diverged at step {state.global_step + 1}: its optimizer step made the weights "
+                           f"non-finite{' (undone)' if kept else ''}. "
+                           f"{self.fix(state.global_step) if kept else self.fix(0, weights_lost=True)}")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         for key in ("loss", "reward", "grad_norm"):
             value = (logs or {}).get(key)
             if isinstance(value, int | float) and not math.isfinite(value):
                 raise Diverged(f"Training diverged at step {state.global_step}: {key} is {value}. "
-                               f"{self._fix(state.global_step)}")
+                               f"{self.fix(state.global_step)}")
 
-    def _fix(self, steps_done: int) -> str:
+    def fix(self, steps_done: int, weights_lost: bool = False) -> str:
         kept = ("The weights before it are kept in model-interrupted/, the checkpoints saved so far in checkpoints/."
-                if steps_done else "Nothing was trained yet.")
+                if steps_done else "Nothing was trained yet." if not weights_lost else
+                "The trained weights are not finite and not saved; the checkpoints saved so far are in checkpoints/.")
         return (f"{kept} Lower training.learning_rate (now {self.learning_rate:g}) or training.max_grad_norm; "
                 "a reward component returning NaN/inf shows as reward.")
+
+
+def _trainable(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad] if model is not None else []
+
+
+def finite(tensors: list[torch.Tensor]) -> bool:
+    """Every value finite (the largest magnitudes, not a norm: a norm of large finite values overflows)."""
+    peaks = [t.detach().abs().amax().float() for t in tensors if t.numel()]
+    return not peaks or bool(torch.isfinite(torch.stack(peaks)).all())

@@ -142,3 +142,56 @@ def _barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def replace_dir_durably(path: Path, write) -> None:
+    """`write(tmp)` fills a temporary folder next to `path`; it is fsync'd and renamed into place, so `path` is
+    the old folder or the whole new one, never half of it (the old one is kept as .<name>.old until the rename)."""
+    path = Path(path)
+    tmp, old = path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_problem(checkpoint: Path) -> str | None:
+    """Why `checkpoint` would fail to load (a file cut short or corrupt), or None. Reads the trainer state, every
+    safetensors header and the optimizer/scheduler/RNG files, as the resume will."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text())
+        for path in checkpoint.glob("*.safetensors"):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)
+        for name in ("optimizer.pt", "scheduler.pt"):
+            if (checkpoint / name).exists():
+                torch.load(checkpoint / name, map_location="cpu", weights_only=True, mmap=True)
+        for path in checkpoint.glob("rng_state*.pth"):
+            torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # any reason it cannot be read is a reason not to resume from it
+        return f"{e.__class__.__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
+
+
+def first_loadable(candidates: list[Path]) -> Path | None:
+    """The newest checkpoint that loads; each one skipped is reported."""
+    for checkpoint in candidates:
+        problem = load_problem(checkpoint)
+        if problem is None:
+            return checkpoint
+        log.warning("Resume: %s fails to load (%s); falling back to the checkpoint before it.", checkpoint.name,
+                    problem)
+    return None

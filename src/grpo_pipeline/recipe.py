@@ -21,8 +21,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_pipeline.callbacks import DivergenceGuard, RunLogger, StopControl
-from grpo_pipeline.checkpoints import RUN_ID_FILE, CheckpointMarker, TrainingStopped, remove_incomplete
+from grpo_pipeline.callbacks import Diverged, DivergenceGuard, RunLogger, StopControl, finite
+from grpo_pipeline.checkpoints import (
+    RUN_ID_FILE,
+    CheckpointMarker,
+    TrainingStopped,
+    first_loadable,
+    remove_incomplete,
+    replace_dir_durably,
+)
 from grpo_pipeline.config.validate import check_config, fit_step_to_data
 from grpo_pipeline.envs.loader import (
     build_env_dataset,
@@ -63,9 +70,12 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     # 1. Everything that can be checked without weights.
     check_config(cfg)
     run_dir = Path(cfg.output_dir if cfg.resume in (None, "auto") else cfg.resume)
-    record, checkpoints = claim(run_dir, cfg.resume)  # one run per run dir; only its own checkpoints
+    record, checkpoints = claim(run_dir, cfg.resume, main=is_main)  # one run per run dir; only its own checkpoints
     changes = check_changes(run_dir, masked_config(cfg), list(cfg.resume_allow)) if record else {}
-    checkpoint = checkpoints[0] if checkpoints else None
+    checkpoint = first_loadable(checkpoints)  # the newest that loads; a resume with none that loads is an error
+    if checkpoints and checkpoint is None:
+        raise ConfigError(f"resume={cfg.resume}: none of the run's checkpoints "
+                          f"({', '.join(p.name for p in checkpoints)}) loads (see the warnings above).")
     env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
     env_name = type(env).__qualname__
     split = Split(dataset, None, None)
@@ -79,6 +89,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
                            group_size=gen.num_generations)
     rollout = make_rollout(cfg, env, tokenizer, runner, tool_functions)  # None: TRL generates
+    if rollout is not None and rollout.multi_turn:
+        rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn
     if rollout is not None and rollout.uses_vllm:
         _check_fits_vllm(cfg, rollout, dataset, env_name)
     if rollout is None and not tool_functions:  # TRL renders chat prompts without tools: give it text
@@ -98,13 +110,14 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = None
     stop = StopControl(tracker, max_minutes=cfg.training.max_minutes)
+    guard = DivergenceGuard(cfg.training.learning_rate)
     try:
         stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
         _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
                                  tool_functions, rollout, extra_columns)
         trainer.add_callback(CheckpointMarker(run_uid, cfg.training.save_total_limit))
-        trainer.add_callback(DivergenceGuard(cfg.training.learning_rate))
+        trainer.add_callback(guard)
         if checkpoint is not None and is_main:
             record_changes(run_dir, _step_of(checkpoint), changes, tracker)
         policy = trainer.accelerator.unwrap_model(trainer.model)
@@ -160,8 +173,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                 metrics.pop("scores", None)
         if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:
             merged = trainer.model.merge_and_unload()
-            merged.save_pretrained(run_dir / "model_merged")
-            tokenizer.save_pretrained(run_dir / "model_merged")
+            replace_dir_durably(run_dir / "model_merged", lambda tmp: (merged.save_pretrained(tmp),
+                                                                       tokenizer.save_pretrained(tmp)))
         result = _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracker, started,
                          train_seconds, validation, stop)
         result.startup_seconds = round(train_started - started, 1)
@@ -172,7 +185,12 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             write_outputs(result, run_dir, tracker)
         tracker.end("FINISHED", unsent_path=run_dir / UNSENT_FILE)
         return result
-    except BaseException as e:
+    except BaseException as raised:
+        e = raised
+        if trainer is not None and _nan_sampling(raised):  # the weights are finite, what they compute is not
+            e = Diverged(f"Training diverged after step {trainer.state.global_step}: the policy's next-token "
+                         f"probabilities are not finite ({str(raised).splitlines()[0][:120]}). "
+                         f"{guard.fix(trainer.state.global_step)}")
         if trainer is not None and trainer.state.global_step > 0 and not isinstance(e, TrainingStopped):
             _save_interrupted(trainer, run_dir)
         stopped = isinstance(e, KeyboardInterrupt | TrainingStopped) and stop.reason is None
@@ -181,6 +199,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         except TrackingError:
             pass
         tracker.end("KILLED" if stopped else "FAILED", unsent_path=run_dir / UNSENT_FILE)
+        if e is not raised:
+            raise e from raised
         raise
     finally:
         stop.uninstall()
@@ -316,8 +336,7 @@ def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
     """model/ (the best validation step's weights when validation keeps them and the best clearly beat the last,
     else the last: Validation.model_step) and model-last/."""
     if validation is not None and validation.best_dir is not None:
-        trainer.save_model(str(run_dir / "model-last"))
-        tokenizer.save_pretrained(run_dir / "model-last")
+        _save_model_dir(trainer, tokenizer, run_dir / "model-last")
         step, why = validation.model_step()
         validation.kept_step = validation.last_step
         if step != validation.last_step:
@@ -329,13 +348,33 @@ def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
             log.warning("model/: the weights of step %d: %s", validation.kept_step, why)
         validation.prune()
     path = run_dir / "model"
-    trainer.save_model(str(path))  # the LoRA adapter when lora.enabled, else the full weights
-    tokenizer.save_pretrained(path)
+    _save_model_dir(trainer, tokenizer, path)  # the LoRA adapter when lora.enabled, else the full weights
     return str(path)
+
+
+def _save_model_dir(trainer, tokenizer, path: Path) -> None:
+    """Written under a temporary name, fsync'd and renamed (checkpoints.replace_dir_durably): a crash leaves the
+    old folder or the new one whole. Every process takes part in save_model; the main one renames."""
+    main = trainer.is_world_process_zero()
+
+    def write(tmp: Path) -> None:
+        trainer.save_model(str(tmp))
+        trainer.accelerator.wait_for_everyone()
+        if main:
+            tokenizer.save_pretrained(tmp)
+
+    if main:
+        replace_dir_durably(path, write)
+    else:
+        write(path.with_name(f".{path.name}.partial"))
 
 
 def _save_interrupted(trainer, run_dir: Path) -> None:
     path = run_dir / "model-interrupted"
+    if not finite([p for p in trainer.model.parameters() if p.requires_grad]):
+        log.error("Training stopped at step %d with non-finite weights: model-interrupted/ is not written.",
+                  trainer.state.global_step)
+        return
     try:
         trainer.save_model(str(path))
         log.error("Training stopped at step %d; what was trained so far is in %s", trainer.state.global_step, path)
@@ -360,6 +399,11 @@ def _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracke
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
         eval_seconds=round(v.seconds, 2) if v else 0.0,
     )
+
+
+def _nan_sampling(error: BaseException) -> bool:
+    """torch.multinomial's (HF generate) and the runtime sampler's error on a NaN/inf distribution."""
+    return isinstance(error, RuntimeError) and "probability tensor contains either" in str(error)
 
 
 def _step_of(checkpoint: Path) -> int:

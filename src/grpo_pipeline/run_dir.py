@@ -87,23 +87,24 @@ def resume_command(run_dir: Path, record: dict | None = None) -> str:
     return f"cd {shlex.quote(where)} && {command}" if where else command
 
 
-def claim(run_dir: Path, resume: str | None) -> tuple[dict | None, list[Path]]:
+def claim(run_dir: Path, resume: str | None, main: bool = True) -> tuple[dict | None, list[Path]]:
     """(this dir's run record, its checkpoints newest first) for a run about to start in `run_dir`.
     resume=null: the dir must hold no other run's data; auto: continue the dir's run if it has a checkpoint, else
-    move that run's files aside; <dir>: that run, which must have a checkpoint."""
+    move that run's files aside; <dir>: that run, which must have a checkpoint. Only the main process (`main`)
+    refuses or moves: the others start while it already writes the new run's files."""
     run_dir = Path(run_dir)
     if resume not in (None, "auto") and not run_dir.is_dir():
         raise ConfigError(f"resume={resume!r} is not a directory. Pass the run dir of an earlier run "
                           "(outputs/runs/<date>/<time>), or resume=auto.")
-    record = _adopt_legacy(run_dir) or read_record(run_dir)
+    record = (_adopt_legacy(run_dir) if main else None) or read_record(run_dir)
     uid = record["uid"] if record else None
     own = resumable(run_dir, uid) if uid else []
     if resume is None:
-        if run_data(run_dir):
+        if main and run_data(run_dir):
             raise ConfigError(_occupied(run_dir, record))
         return None, []
     if resume == "auto" and not own:
-        if run_data(run_dir):
+        if main and run_data(run_dir):
             moved = move_aside(run_dir, uid)
             log.warning("resume=auto: %s holds a run that never reached a checkpoint; its files are moved to %s "
                         "and this run starts afresh.", run_dir, moved)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_pipeline.checkpoints import write_durably
 from grpo_pipeline.redact import mask_override, mask_secrets
 from grpo_pipeline.tracking import Tracker
 
@@ -61,7 +62,7 @@ def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool 
 def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
     from grpo_pipeline.plots import plot_rewards
 
-    (run_dir / "summary.json").write_text(mask_secrets(json.dumps(result.summary(), indent=2)))
+    write_durably(run_dir / "summary.json", mask_secrets(json.dumps(result.summary(), indent=2)))
     if result.rewards:
         plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after,
                      result.validation, result.model_step)

@@ -8,6 +8,7 @@ turns), the env mask (env tokens carry no loss) and the sampled tokens' log-prob
 
 import os
 import statistics
+import traceback
 
 import torch
 from trl import GRPOTrainer
@@ -16,6 +17,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experi
 
 from grpo_pipeline import prefix_logps
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
+from grpo_pipeline.runtime.episodes import as_real
 from grpo_pipeline.runtime.rollout import Rollout
 
 FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat (when no rewards are at hand)
@@ -369,6 +371,21 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
     return run
 
 
+def _env_metrics(extra, traj, env) -> dict[str, float] | None:
+    """The env's episode_metrics for one episode; one that raises or returns no {name: number} fails that episode
+    (scored as a failure under the failure budget), not the run."""
+    name = f"{type(env).__qualname__}.episode_metrics"
+    try:
+        values = extra(traj.messages, **traj.row)
+        if not isinstance(values, dict) or not all(isinstance(k, str) and as_real(v) is not None
+                                                   for k, v in values.items()):
+            raise TypeError(f"returned {values!r}: return a dict of metric name -> number")
+        return {k: as_real(v) for k, v in values.items()}
+    except Exception as e:
+        traj.failure = f"{name} raised:\n" + "".join(traceback.format_exception(e)).rstrip() + f"\nrow: {traj.row}"
+        return None
+
+
 def episode_metrics(rollout: Rollout, trajs: list) -> dict[str, float]:
     """Per-batch means: assistant turns, env tokens, episodes cut by the token budget, and whatever the env's
     optional `episode_metrics(transcript, **row)` reports (e.g. tool calls)."""
@@ -380,7 +397,7 @@ def episode_metrics(rollout: Rollout, trajs: list) -> dict[str, float]:
     }
     extra = getattr(rollout.env, "episode_metrics", None)
     if callable(extra):
-        values = [extra(t.messages, **t.row) for t in trajs if t.failure is None]
+        values = [v for t in trajs if t.failure is None and (v := _env_metrics(extra, t, rollout.env)) is not None]
         for key in sorted({k for v in values for k in v}):
             out[f"env/{key}"] = statistics.fmean(float(v.get(key, 0.0)) for v in values)
     return out

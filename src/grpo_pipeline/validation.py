@@ -12,6 +12,7 @@ optionally stop early.
   trainer_state.json and restored from it.
 """
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
+from grpo_pipeline.checkpoints import fsync_file
 from grpo_pipeline.evaluation import paired_gain
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,9 @@ class Validation(TrainerCallback, ExportableState):
         self.best_dir.mkdir(parents=True, exist_ok=True)
         path = self.best_dir / f"step-{step}.safetensors"
         save_file(trainable_state(self.policy), str(path.with_suffix(".tmp")))
+        fsync_file(path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)  # a kill never leaves a half-written best
+        self.prune()  # full fine-tuning writes whole models here: keep only what can still be chosen
 
     def model_step(self) -> tuple[int | None, str]:
         """The step whose weights model/ keeps, and why: the best validation step's only if it beat the last
@@ -122,8 +126,22 @@ class Validation(TrainerCallback, ExportableState):
 
     def prune(self) -> None:
         """Keep only the best step's weights file (also when model/ holds the last step's: a run extended later
-        may still choose it)."""
-        if self.best_dir is not None and self.best_dir.is_dir():
-            for path in self.best_dir.glob("step-*.safetensors"):
-                if path.name != f"step-{self.best_step}.safetensors":
-                    path.unlink()
+        may still choose it), and those a checkpoint names as its best (a resume from it may need them)."""
+        if self.best_dir is None or not self.best_dir.is_dir():
+            return
+        keep = {self.best_step, *_best_steps_of_checkpoints(self.best_dir.parent)}
+        for path in self.best_dir.glob("step-*.safetensors"):
+            if path.name not in {f"step-{s}.safetensors" for s in keep}:
+                path.unlink(missing_ok=True)
+
+
+def _best_steps_of_checkpoints(run_dir: Path) -> set[int]:
+    steps = set()
+    for state_file in (run_dir / "checkpoints").glob("checkpoint-*/trainer_state.json"):
+        try:
+            stored = json.loads(state_file.read_text())["stateful_callbacks"]["Validation"]["attributes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(stored.get("best_step"), int):
+            steps.add(stored["best_step"])
+    return steps

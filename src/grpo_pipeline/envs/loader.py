@@ -33,6 +33,11 @@ from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.redact import MASK, is_secret_key, looks_secret, mask_secrets
 
 REQUIRED_METHODS = ("build_dataset", "score_episode")
+# Dataset columns reach score_episode (and TRL's reward functions) as keyword arguments: these names are taken by
+# score_episode's own arguments, TRL's reward-function arguments and the runtime's columns.
+RESERVED_COLUMNS = ("model", "tokenizer", "completion", "completions", "completion_ids", "prompts", "prompt_ids",
+                    "trainer_state", "log_metric", "log_extra", "environments", "transcript", "episode_failure",
+                    "env_mask", "logprobs", "self")
 _HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 # Top-level modules imported from a launch directory -> that directory (see importable_from).
 _IMPORTED_FROM: dict[str, str] = {}
@@ -289,6 +294,14 @@ def build_env_dataset(env: Any, tokenizer) -> Dataset:
         )
     if len(dataset) == 0:
         raise ConfigError(f"{name}.build_dataset returned an empty dataset.")
+    clashes = [c for c in dataset.column_names if c in RESERVED_COLUMNS]
+    if clashes:
+        renames = ", ".join(f"'{c}' -> '{c}_ref'" for c in clashes)
+        raise ConfigError(
+            f"{name}.build_dataset returned column(s) {clashes}, whose names are taken: columns reach "
+            f"score_episode as keyword arguments beside model, tokenizer and completion (and TRL's reward arguments). "
+            f"Rename them, e.g. dataset.rename_columns({{{renames}}}) (a reference answer: 'reference')."
+        )
     for i, prompt in enumerate(dataset["prompt"]):
         if not _is_prompt(prompt):
             raise ConfigError(

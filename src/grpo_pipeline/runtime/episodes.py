@@ -46,12 +46,28 @@ def completion_text(completion: Any) -> str:
     return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
 
 
+def as_real(value: Any) -> float | None:
+    """A plain real number (ints, floats, numpy scalars, 0-d numpy arrays and tensors), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    shape, item = getattr(value, "shape", None), getattr(value, "item", None)
+    if callable(item) and (shape == () or shape is None and type(value).__module__ == "numpy"):
+        try:
+            number = item()
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        return float(number) if isinstance(number, int | float) and not isinstance(number, bool) else None
+    return None
+
+
 def score_problem(value: Any) -> str | None:
     """Why `value` is not a valid score, or None when it is one."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and 0.0 <= value <= 1.0:
+    number = as_real(value)
+    if number is not None and math.isfinite(number) and 0.0 <= number <= 1.0:
         return None
-    return f"returned {value!r} ({type(value).__name__}); a score is a finite float in [0, 1]."
+    return f"returned {value!r} ({type(value).__name__}); a score is a finite real number in [0, 1]."
 
 
 class EpisodeRunner:
@@ -247,7 +263,7 @@ class EpisodeRunner:
         problem = score_problem(value)
         if problem:
             raise EnvError(f"{self.env_name}.score_episode {problem}\n{self._describe(completion, row)}")
-        return float(value)
+        return as_real(value)
 
     @staticmethod
     def _describe(completion: Any, row: dict) -> str:

@@ -154,6 +154,10 @@ class Rollout:
         self.eos_ids = _as_list(tokenizer.eos_token_id)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
+    def check_template(self, prompt, model_name: str) -> None:
+        """Fail at startup when the chat template cannot append an env turn token-exactly."""
+        _check_template(self, prompt, model_name)
+
     @property
     def uses_vllm(self) -> bool:
         """Episodes are sampled by vLLM (vllm=colocate)."""
@@ -243,7 +247,8 @@ class Rollout:
 
     def _env_turn(self, live: list[Trajectory]) -> None:
         """The env's reply to each live episode, concurrently; an episode whose reply is None is done."""
-        calls = [lambda t=t: self.env.respond(_conversation(t), **t.row) for t in live]
+        # a reply of the wrong type fails its episode (counted under the failure budget), like an exception
+        calls = [lambda t=t: _as_message(self.env.respond(_conversation(t), **t.row), self.env) for t in live]
         outcomes = self.runner.call_env(calls, "respond", [t.row for t in live], [t.text for t in live])
         for t, (reply, failure, seconds) in zip(live, outcomes, strict=True):
             t.seconds += seconds
@@ -253,7 +258,7 @@ class Rollout:
             if reply is None:
                 t.done = True
                 continue
-            message = _as_message(reply, self.env)
+            message = reply
             text = env_turn_text(self.tokenizer, _conversation(t), message, self.tools,
                                  ended_with_eos=bool(t.completion_ids) and t.completion_ids[-1] in self.eos_ids)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -267,12 +272,24 @@ class Rollout:
             t.messages.append(message)
 
 
+def _check_template(rollout: "Rollout", prompt, model_name: str) -> None:
+    opening = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    try:
+        env_turn_text(rollout.tokenizer, [*opening, {"role": "assistant", "content": "ok"}],
+                      {"role": "user", "content": "ok"}, rollout.tools, ended_with_eos=True)
+    except Exception as e:
+        raise ConfigError(f"{type(rollout.env).__qualname__} is multi-turn (it has respond), and model={model_name}'s "
+                          f"chat template cannot append its turns: {e}") from e
+
+
 def _conversation(t: Trajectory) -> list[dict]:
     opening = t.prompt if isinstance(t.prompt, list) else [{"role": "user", "content": t.prompt}]
     return list(opening) + t.messages
 
 
-def _as_message(reply, env) -> dict:
+def _as_message(reply, env) -> dict | None:
+    if reply is None:
+        return None
     if isinstance(reply, str):
         return {"role": "user", "content": reply}
     if isinstance(reply, dict) and isinstance(reply.get("content"), str) and reply.get("role") in ("user", "tool"):
