@@ -88,6 +88,10 @@ def test_unknown_group_option_fails(compose_cfg):
         (["vllm=colocate", "model=tiny"], "the tiny model is built in code"),
         (["vllm=colocate", "vllm.max_model_len=8"], "vllm.max_model_len=8"),
         (["reward.env_weight=0"], "nothing to reward"),
+        (["tracking.flush_every_s=0"], "tracking.flush_every_s=0.0: must be > 0"),
+        (["tracking.outage_grace_s=-1"], "tracking.outage_grace_s=-1.0"),
+        (["training.logging_steps=0"], "training.logging_steps=0: must be >= 1"),
+        (["training.max_minutes=0"], "training.max_minutes=0.0"),
         (["model=deepseek_r1_distill_qwen_1_5b", "model.name_or_path=null"], "model.name_or_path"),
     ],
 )

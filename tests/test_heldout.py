@@ -236,3 +236,24 @@ def test_the_held_out_gain_and_its_standard_error_reach_the_summary_and_mlflow(c
 
     logged = metric_history(f"sqlite:///{tmp_path}/mlflow.db", result.mlflow_run_id, "eval_after/gain_se")
     assert logged == [pytest.approx(se, abs=1e-4)]
+
+
+def test_a_max_minutes_stop_between_validations_reports_the_step_of_the_weights_it_saved(compose_cfg, tmp_path,
+                                                                                        monkeypatch):
+    class TimeUpAtStep3(recipe.StopControl):  # training.max_minutes runs out during step 3 (no clock in a test)
+        def on_step_end(self, args, state, control, **kwargs):
+            self.deadline = 0.0 if state.global_step >= 3 else None
+            return super().on_step_end(args, state, control, **kwargs)
+
+    scripted = ScriptedValidation([0.3, 0.6])  # step 2, then the live weights of step 3 at the stop
+    monkeypatch.setattr(recipe, "evaluate", scripted)
+    monkeypatch.setattr(recipe, "StopControl", TimeUpAtStep3)
+    result = recipe.train(compose_cfg(_validated(tmp_path, "training.max_steps=6", "eval.every_steps=2",
+                                                 "training.max_minutes=60")),
+                          launch_dir=str(tmp_path), env=VariedEnv())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert result.steps == 3 and result.stopped_early
+    assert summary["validation"] == [[2, 0.3], [3, 0.6]]  # the stop's weights were validated
+    assert summary["model_step"] == summary["last_step"] == 3  # and they are what model/ holds
+    saved = load_file(str(Path(result.model_path) / "adapter_model.safetensors"))
+    assert all(torch.equal(saved[k.replace(".default", "")], v) for k, v in scripted.weights[1].items())

@@ -151,3 +151,71 @@ def test_a_server_down_past_the_grace_period_stops_with_a_checkpoint_then_resume
                      output=tmp_path / "resume.err")
     assert resumed.wait(timeout=600) == 0, (tmp_path / "resume.err").read_text()[-3000:]
     assert _reward_steps(server) == list(range(1, 41))  # the outage's steps came from the checkpoint
+
+
+def test_a_permanent_store_error_is_not_retried_for_the_grace_period():
+    import errno
+
+    from grpo_pipeline.tracking import TrackingError, retry
+
+    calls = []
+
+    def unwritable():
+        calls.append(1)
+        raise PermissionError(errno.EACCES, "Permission denied", "/srv/mlartifacts")
+
+    started = time.monotonic()
+    with pytest.raises(TrackingError, match="Permission denied.*not retried"):
+        retry(unwritable, grace_s=600, what="logging artifact summary.json")
+    assert len(calls) == 1 and time.monotonic() - started < 5
+
+
+def test_resuming_into_a_store_that_lacks_the_run_says_which_store_at_once(tmp_path):
+    from grpo_pipeline.config.schema import TrackingConfig
+    from grpo_pipeline.tracking import Tracker, TrackingError
+
+    tracker = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'other.db'}", outage_grace_s=600), tmp_path)
+    started = time.monotonic()
+    with pytest.raises(TrackingError, match=r"MLflow run 0123abcd \(run_id.txt\) is not in sqlite:///.*other.db"):
+        tracker.resume("0123abcd")
+    assert time.monotonic() - started < 30  # not 600 s of retries
+
+
+def test_an_artifact_store_failing_at_the_end_keeps_the_run_finished_with_its_outputs(compose_cfg, tmp_path,
+                                                                                     monkeypatch, caplog):
+    import errno
+
+    import grpo_pipeline.recipe as recipe
+    from conftest import tiny_overrides
+
+    def refuse(self, run_id, local_path, artifact_path=None):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "mlartifacts"))
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", refuse)
+    started = time.monotonic()
+    result = recipe.train(compose_cfg([*tiny_overrides(tmp_path), "tracking.outage_grace_s=600"]),
+                          launch_dir=str(tmp_path))
+    assert time.monotonic() - started < 120  # no 600 s of retries
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id)
+    assert run.info.status == "FINISHED" and result.steps == 2
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "model").is_dir()
+    assert not (tmp_path / "run" / "model-interrupted").exists()
+    assert "only MLflow's copy of them is missing" in caplog.text
+
+
+def test_a_run_gone_from_the_store_fails_the_writer_at_once_not_after_the_grace_period():
+    from mlflow.entities import Metric
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    from grpo_pipeline.metric_writer import MetricWriter
+
+    class Gone:
+        def log_batch(self, run_id, metrics):
+            raise MlflowException(f"Run with id={run_id} not found", error_code=RESOURCE_DOES_NOT_EXIST)
+
+    writer = MetricWriter(Gone(), "abc123", every_s=0.05, grace_s=600)
+    writer.add([Metric("reward", 0.5, 0, 1)])
+    assert writer.flush(timeout=10) is False
+    assert writer.failed and "run abc123" in writer.failed and "not found" in writer.failed
+    assert len(writer.close(timeout=1)) == 1  # kept, for metrics_unsent.jsonl

@@ -17,6 +17,7 @@ import threading
 import time
 
 from grpo_pipeline.redact import mask_secrets
+from grpo_pipeline.tracking import permanent
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
@@ -98,9 +99,14 @@ class MetricWriter:
             try:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as e:  # retried: the store may be restarting or locked
-                if _permanent(e):  # the store refuses these values: retrying cannot help
+                if _refused(e):  # the store refuses these values: retrying cannot help
                     log.error("MLflow refused %d metric values (%s); they are dropped.", len(batch), _line(e))
                     self._note_success(batch)
+                    continue
+                if permanent(e):  # e.g. the run is gone from the store: stop now, not after the grace period
+                    self.last_error = _line(e)
+                    self.failed = f"the MLflow store refuses every write to run {self.run_id} ({self.last_error})"
+                    attempt += 1
                     continue
                 attempt += 1
                 self._note_failure(e)
@@ -138,6 +144,6 @@ def _line(error: BaseException) -> str:
     return mask_secrets(f"{error.__class__.__name__}: {line}"[:300])
 
 
-def _permanent(error: BaseException) -> bool:
+def _refused(error: BaseException) -> bool:
     """An error the store will give again for the same values (not an outage)."""
     return getattr(error, "error_code", None) in ("INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS")

@@ -155,6 +155,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                 f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
                 f"{run_dir / 'checkpoints'}. Continue with:\n  {resume_command(run_dir)}",
                 128 + stop.signum if stop.signum is not None else 3)
+        if validation is not None and validation.last_step != trainer.state.global_step:
+            validation.validate(trainer.state)  # stopped between validations (max_minutes): score the live weights
         model_path = _save_models(cfg, trainer, tokenizer, run_dir, validation) if cfg.training.save_model else None
         if stop.signum is not None:  # training was over: keep the model, skip the rest
             raise TrainingStopped(f"Stopped by signal {stop.signum} after training; the trained model is in "

@@ -8,7 +8,7 @@ from typing import Any
 
 from grpo_pipeline.checkpoints import write_durably
 from grpo_pipeline.redact import mask_override, mask_secrets
-from grpo_pipeline.tracking import Tracker
+from grpo_pipeline.tracking import Tracker, TrackingError
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,18 @@ def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
     if result.rewards:
         plot_rewards(result.rewards, run_dir / "reward_curve.png", result.eval_before, result.eval_after,
                      result.validation, result.model_step)
-    if result.best_step is not None:
-        tracker.set_tag("best_step", str(result.best_step))
-        tracker.set_tag("model_step", str(result.model_step))
-        tracker.log_metrics({"best/val_mean_reward": result.best_val, "best/step": float(result.best_step),
-                             "last/val_mean_reward": result.last_val, "model/step": float(result.model_step)},
-                            step=result.steps)
-    for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
-        tracker.log_artifact(run_dir / name)
+    try:  # the run's results are on disk: a store that fails now costs the copy in MLflow, not the run
+        if result.best_step is not None:
+            tracker.set_tag("best_step", str(result.best_step))
+            tracker.set_tag("model_step", str(result.model_step))
+            tracker.log_metrics({"best/val_mean_reward": result.best_val, "best/step": float(result.best_step),
+                                 "last/val_mean_reward": result.last_val, "model/step": float(result.model_step)},
+                                step=result.steps)
+        for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
+            tracker.log_artifact(run_dir / name)
+    except TrackingError as e:
+        log.warning("%s. The run finished and its outputs are in %s; only MLflow's copy of them is missing.",
+                    e, run_dir)
 
 
 def description(cfg, env_name: str, overrides: list[str] | None) -> str:

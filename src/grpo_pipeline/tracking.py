@@ -12,6 +12,7 @@ metrics of every step up to it, and `resume` writes any of those MLflow lacks, s
 loses nothing and duplicates nothing. Everything written here passes through `mask_secrets`.
 """
 
+import errno
 import json
 import logging
 import math
@@ -58,13 +59,31 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): mask_secrets(str(node))[:_MAX_PARAM_LEN]}
 
 
+# MLflow error codes that the store gives again however long one waits (not an outage)
+PERMANENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED", "INVALID_STATE",
+                   "RESOURCE_ALREADY_EXISTS")
+
+
+def permanent(error: BaseException) -> bool:
+    """A store error that retrying cannot fix: a run id the store lacks, refused values, an artifact store this
+    process may not write (permission denied, read-only file system). Outages (refused connections, timeouts,
+    5xx, a locked sqlite file) are not permanent."""
+    if getattr(error, "error_code", None) in PERMANENT_CODES:
+        return True
+    return isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def retry(call: Callable, grace_s: float, what: str):
-    """Run `call`, retrying with backoff for up to grace_s seconds (the store may be restarting or locked)."""
+    """Run `call`, retrying with backoff for up to grace_s seconds (the store may be restarting or locked).
+    A permanent error (see `permanent`) is raised at once as a TrackingError: waiting cannot help."""
     started, attempt = time.monotonic(), 0
     while True:
         try:
             return call()
         except Exception as e:
+            if permanent(e):
+                raise TrackingError(f"MLflow: {what} failed: {first_line(e, 300)} (not retried: the store gives "
+                                    "this error again however long one waits)") from e
             attempt += 1
             if time.monotonic() - started > grace_s:
                 raise TrackingError(f"MLflow: {what} failed for {grace_s:g}s (tracking.outage_grace_s): "
@@ -137,7 +156,16 @@ class Tracker:
         if not self.enabled:
             return
         self.run_id = run_id
-        retry(lambda: self.client.update_run(run_id, status="RUNNING"), self.cfg.outage_grace_s, "reopening the run")
+        try:
+            retry(lambda: self.client.update_run(run_id, status="RUNNING"), self.cfg.outage_grace_s,
+                  "reopening the run")
+        except TrackingError as e:
+            self.run_id = None
+            if "RESOURCE_DOES_NOT_EXIST" not in str(e) and "not found" not in str(e).lower():
+                raise
+            raise TrackingError(f"Resume: the run's MLflow run {run_id} (run_id.txt) is not in "
+                                f"{mask_secrets(self.uri)}. Resume with the store the run started in "
+                                "(tracking.tracking_uri=...; run.json records it), or start a new run.") from e
         if checkpoint is not None:
             self._repair(checkpoint)
         self._start_writer()

@@ -61,8 +61,14 @@ class Validation(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if step % self.every_steps and step != state.max_steps:
-            return control
+        if step % self.every_steps == 0 or step == state.max_steps:
+            self.validate(state)
+        return control
+
+    def validate(self, state) -> None:
+        """Score the validation prompts at the current step (also called when training stopped between
+        validations, e.g. training.max_minutes: the summary then names the step of the weights it saved)."""
+        step = state.global_step
         started = time.monotonic()
         metrics = self.evaluate()
         self.seconds += time.monotonic() - started
@@ -82,7 +88,6 @@ class Validation(TrainerCallback, ExportableState):
                 log.warning("validation: no improvement over %.3f (step %d) for %d evaluations: stopping early.",
                             self.best_score, self.best_step, self.without_improvement)
                 self.stop_requested = True
-        return control
 
     def _save_best(self, step: int) -> None:
         if self.best_dir is None:

@@ -90,6 +90,17 @@ def config_problems(cfg: TrainConfig) -> list[str]:
             )
     if train.max_steps == 0 or (train.max_steps < 0 and train.num_epochs <= 0):
         p.append("training.max_steps (or training.num_epochs when max_steps=-1) must be > 0.")
+    if train.logging_steps < 1:
+        p.append(f"training.logging_steps={train.logging_steps}: must be >= 1 (metrics every N steps; 1 logs each).")
+    if train.max_minutes is not None and train.max_minutes <= 0:
+        p.append(f"training.max_minutes={train.max_minutes}: must be > 0, or null (no time limit).")
+    tracking = cfg.tracking
+    if tracking.flush_every_s <= 0:
+        p.append(f"tracking.flush_every_s={tracking.flush_every_s}: must be > 0 (seconds between the background "
+                 "writer's flushes; e.g. 5).")
+    if tracking.outage_grace_s < 0:
+        p.append(f"tracking.outage_grace_s={tracking.outage_grace_s}: must be >= 0 (seconds a failing store is "
+                 "retried before the run stops with a checkpoint).")
 
     if run.on_error not in ON_ERROR:
         p.append(f"runtime.on_error={run.on_error!r}: use one of {ON_ERROR}.")
