@@ -130,3 +130,22 @@ def test_a_config_error_is_reported_before_torch_or_transformers_load(tmp_path):
     imported = {line.split("|")[-1].strip().split(".")[0] for line in proc.stderr.splitlines()
                 if line.startswith("import time:")}
     assert "hydra" in imported and not imported & {"torch", "transformers", "trl", "peft", "mlflow"}
+
+
+@pytest.mark.parametrize("environ", [{"ACCELERATE_USE_FSDP": "true"},
+                                     {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+                                     {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds.json"}],
+                         ids=["fsdp", "zero3", "zero3-json"])
+def test_sharded_parameters_are_refused_at_startup_with_the_reason(compose_cfg, tmp_path, monkeypatch, environ):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}}')
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    problems = config_problems(compose_cfg([f"output_dir={tmp_path}"]))
+    assert any("not collective-safe" in p and "ZeRO-2" in p for p in problems), problems
+
+
+def test_deepspeed_zero2_is_not_refused(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert not any("collective" in p for p in config_problems(compose_cfg([f"output_dir={tmp_path}"])))

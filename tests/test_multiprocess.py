@@ -57,3 +57,23 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     client = MlflowClient(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("grpo_pipeline").experiment_id])
     assert [r.info.status for r in runs] == ["KILLED"]  # rank 0 learnt of the signal and closed the run
+
+
+def test_ranks_started_seconds_apart_compose_one_run_dir(tmp_path):
+    """A launcher (here: this test, like torchrun's agent) starts its ranks at different wall-clock seconds;
+    each composes hydra.run.dir from the launcher's start time, so the run is not split across two dirs."""
+    import re
+
+    def run_dir(rank: int) -> str:
+        out = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--cfg", "hydra", "--resolve"], cwd=tmp_path,
+                             env=dict(os.environ, LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2"),
+                             capture_output=True, text=True, timeout=120)
+        return re.search(r"dir: (outputs/runs/\S+)", out.stdout).group(1)
+
+    first = run_dir(0)
+    time.sleep(1.2)  # past a second boundary: ${now:...} would differ
+    assert run_dir(1) == first
+    single = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--cfg", "hydra", "--resolve"], cwd=tmp_path,
+                            env={k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")},
+                            capture_output=True, text=True, timeout=120).stdout
+    assert re.search(r"dir: outputs/runs/\S+", single).group(0) != f"dir: {first}"  # one process: its own clock

@@ -98,14 +98,78 @@ def main(argv: list[str] | None = None) -> None:
     print(mask_secrets(p.shell()))
     if args.dry_run:
         return
+    sys.exit(run(p))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def run(p: LaunchPlan, ready_timeout_s: float = 900) -> int:
+    """Start the server, wait until it (and not another process on its port) answers, train, stop the server.
+    SIGTERM and Ctrl-C are forwarded once to the training launcher, which checkpoints and stops; the launcher
+    waits for it, then stops the server. Both children die with this process."""
+    _port_is_free(p.health_url)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, p.server_gpus)))
-    server = subprocess.Popen(p.server_cmd, env=env, start_new_session=True)
+    server = subprocess.Popen(p.server_cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    train = None
+    forwarded: list[int] = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        if train is None:  # still waiting for the server: nothing trained yet
+            raise KeyboardInterrupt
+        train.send_signal(signum)  # a second Ctrl-C is forwarded too: the training stops at once
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _wait_for(p.health_url, server)
+        _wait_for(p.health_url, server, ready_timeout_s)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, p.train_gpus)))
-        sys.exit(subprocess.call(p.train_cmd, env=env))
+        # its own session: a terminal's Ctrl-C reaches it once, through forward(), not twice
+        train = subprocess.Popen(p.train_cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        code = train.wait()
+        if forwarded:
+            print(f"launch: training stopped after signal {forwarded[0]} (exit code {code}); stopping the server.",
+                  file=sys.stderr)
+        return code
+    except KeyboardInterrupt:
+        print("launch: stopped before training started; stopping the server.", file=sys.stderr)
+        return 128 + (forwarded[0] if forwarded else signal.SIGINT)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(server)
+
+
+def _stop(server: subprocess.Popen, grace_s: float = 30) -> None:
+    if server.poll() is not None:
+        return
+    try:
         os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _port_is_free(url: str) -> None:
+    """The health check must reach the server this launcher starts, not one already on the port."""
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    with socket.socket() as s:
+        s.settimeout(2)
+        if s.connect_ex((where.hostname, where.port)) == 0:
+            sys.exit(f"ERROR: something already listens on {where.hostname}:{where.port} (another vLLM server?); "
+                     "its health check would pass for a server this launcher did not start. Stop it, or set "
+                     "vllm.server_port to a free port.")
 
 
 def _wait_for(url: str, server: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -115,9 +179,10 @@ def _wait_for(url: str, server: subprocess.Popen, timeout_s: float = 900) -> Non
             sys.exit(f"ERROR: the vLLM server exited with code {server.returncode} before it was ready.")
         try:
             with urllib.request.urlopen(url, timeout=5):
-                return
+                if server.poll() is None:  # answered while ours is alive (the port was free before it started)
+                    return
         except OSError:
-            time.sleep(5)
+            time.sleep(1)
     sys.exit(f"ERROR: the vLLM server did not answer {url} within {timeout_s:.0f}s.")
 
 

@@ -291,5 +291,27 @@ class TrainConfig:
     resume_allow: list[str] = field(default_factory=list)
 
 
+def launch_time(pattern: str) -> str:
+    """Hydra's ${now:...} for the run dir, but one time for every process of a run: processes that a launcher
+    started (torchrun / accelerate launch set LOCAL_RANK) take the launcher's start time, so ranks started a
+    second apart still compose the same run dir. On several machines set hydra.run.dir yourself."""
+    import datetime
+    import os
+
+    started = None
+    if "LOCAL_RANK" in os.environ:
+        import psutil
+
+        try:
+            started = psutil.Process(os.getppid()).create_time()
+        except psutil.Error:
+            started = None
+    when = datetime.datetime.fromtimestamp(started) if started else datetime.datetime.now()
+    return when.strftime(pattern)
+
+
 def register_configs() -> None:
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True, replace=True)

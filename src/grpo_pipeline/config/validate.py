@@ -136,7 +136,34 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         p.append("reward: env_weight=0 and no components: there is nothing to reward. Pick reward=env.")
 
     p += _vllm_problems(cfg, world)
+    p += _sharding_problems(os.environ)
     return p
+
+
+def _sharding_problems(environ) -> list[str]:
+    """accelerate's DeepSpeed ZeRO-3 and FSDP shard the parameters: every forward is then a collective that all
+    processes must enter together. The runtime's decode loop stops per process at eos, held-out evaluation runs
+    on the main process only and the main process saves more often than the others: under sharding each of
+    these would hang the run. Refused until those loops are collective-safe."""
+    why = ("shards the parameters across processes, and the pipeline's own model loops (the runtime's decode loop "
+           "stopping per process at eos, held-out evaluation on the main process only, the main process's extra "
+           "saves) are not collective-safe: the run would hang at its first uneven forward. Use DDP (accelerate "
+           "launch --num_processes N, no --config_file) or DeepSpeed ZeRO-2 (accelerate/deepspeed_zero2.yaml), "
+           "which keep whole parameters on every process.")
+    if environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        return [f"FSDP (accelerate's ACCELERATE_USE_FSDP) {why}"]
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        return []
+    stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    config_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if stage is None and config_file:  # a DeepSpeed JSON file names the stage itself
+        import json
+
+        try:
+            stage = str(json.loads(open(config_file).read()).get("zero_optimization", {}).get("stage"))
+        except (OSError, ValueError, AttributeError):
+            stage = None
+    return [f"DeepSpeed ZeRO-3 (ACCELERATE_DEEPSPEED_ZERO_STAGE=3) {why}"] if stage == "3" else []
 
 
 def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
