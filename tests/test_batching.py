@@ -261,3 +261,22 @@ def test_one_bad_generate_call_fails_only_its_own_episode(tiny):
             want = model.generate(torch.tensor([row]), max_new_tokens=6, do_sample=False,
                                   pad_token_id=tok.pad_token_id)
             assert torch.equal(env.outputs[name], want)
+
+
+def test_a_short_call_is_not_merged_behind_a_long_one_and_returns_first():
+    finished = []
+
+    class Recording(CountingModel):  # generate writes max_new_tokens tokens, "slowly"
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=1, **_):
+            time.sleep(0.001 * max_new_tokens)
+            finished.append(max_new_tokens)
+            return torch.cat([input_ids, input_ids[:, -1:].repeat(1, max_new_tokens)], dim=1)
+
+    batcher = GenerateBatcher(Recording(), 0, None, max_wait_s=5.0)
+    calls = [dict(input_ids=torch.ones(1, 3, dtype=torch.long), max_new_tokens=n) for n in (2000, 4, 40, 6)]
+    results, errors = run_concurrently(batcher, calls)
+    batcher.close()
+    assert errors == [None] * 4
+    assert [r.shape[1] - 3 for r in results] == [2000, 4, 40, 6]
+    # 4 and 6 merge (one generate of 6 tokens); 40 > max(2 x 4, 4 + 32) and 2000 run alone; shortest first
+    assert finished == [6, 40, 2000] and batcher.batches == 3

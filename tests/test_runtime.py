@@ -358,3 +358,100 @@ def test_evaluation_counts_failures_apart_and_never_stops_the_run():
 def test_completion_text():
     assert completion_text("abc") == "abc"
     assert completion_text([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}]) == "a"
+
+
+class LongCallEnv:
+    """Asks the model for many tokens: explicitly, or by leaving max_new_tokens to the model's max_length."""
+
+    def score_episode(self, model, tokenizer, completion, answer=None):
+        ids = torch.ones(1, 2, dtype=torch.long)
+        out = model.generate(ids, max_new_tokens=5000) if completion == "explicit" else model.generate(ids)
+        return min(1.0, (out.shape[1] - 2) / 10_000)
+
+
+def test_an_env_model_call_is_capped_at_max_call_tokens(caplog):
+    class Recording(FakeModel):
+        generation_config = type("Config", (), {"max_length": 100_000})()
+
+        def generate(self, input_ids, attention_mask=None, max_new_tokens=None, **kwargs):
+            self.asked = getattr(self, "asked", []) + [(max_new_tokens, kwargs.get("max_length"))]
+            return torch.cat([input_ids, torch.zeros(1, max_new_tokens or 1, dtype=torch.long)], dim=1)
+
+    r = EpisodeRunner(LongCallEnv(), None, RuntimeConfig(max_call_tokens=64, batch_generate=False), ["answer"])
+    r.bind(Recording())
+    scores, _ = r.score(["explicit", "implicit"], rows(2))
+    assert sorted(r.model.asked) == [(64, None), (64, None)]  # 5000 asked; 99,998 left by max_length
+    assert scores == [pytest.approx(64 / 10_000)] * 2
+
+
+def test_a_model_call_outliving_its_batch_past_the_deadline_stops_the_run_naming_it():
+    r = runner(episode_timeout_s=0.2, call_deadline_s=1.0, batch_generate=False)
+    r.model.hold = threading.Event()  # the env's generate never returns on its own
+    started = time.monotonic()
+    try:
+        with pytest.raises(EnvError, match=r"1 model call\(s\) of env episodes \(episode 0 \(row \{'answer': 0\}\)\) "
+                                           r"still ran 1s \(runtime.call_deadline_s\)"):
+            r.score(["generate:"], rows(1))
+        assert time.monotonic() - started < 10  # the timeout (0.2 s) plus the deadline (1 s), not forever
+    finally:
+        r.model.hold.set()
+
+
+class TokenizingEnv:
+    """Each episode tokenizes with its own padding/truncation settings, many times: a fast tokenizer keeps those
+    settings in itself, so unguarded concurrent calls run with another thread's settings."""
+
+    text = "hello world and more words " * 20
+
+    def score_episode(self, model, tokenizer, completion, answer=0):
+        for _ in range(150):
+            if answer % 2:
+                ids = tokenizer([self.text, "hi"], padding="max_length", max_length=300, truncation=True)["input_ids"]
+                if len(ids[1]) != 300:
+                    return 0.0
+            elif len(tokenizer(self.text)["input_ids"]) < 100:
+                return 0.0
+        return 1.0
+
+
+def test_env_threads_sharing_the_fast_tokenizer_get_their_own_settings():
+    from transformers import PreTrainedTokenizerBase
+
+    from grpo_pipeline.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    r = EpisodeRunner(TokenizingEnv(), tokenizer, RuntimeConfig(max_concurrency=8, episode_timeout_s=WAIT),
+                      ["answer"])
+    r.bind(FakeModel())
+    assert isinstance(r.tokenizer, PreTrainedTokenizerBase) and r.tokenizer.pad_token_id == tokenizer.pad_token_id
+    scores, _ = r.score(["x"] * 16, rows(16))
+    assert scores == [1.0] * 16  # 2,400 concurrent calls, each with its own settings
+
+
+def test_the_shared_tokenizer_runs_one_call_at_a_time():
+    from grpo_pipeline.runtime.shared_tokenizer import SharedTokenizer
+
+    class Slow:
+        inside = most = 0
+        lock = threading.Lock()
+
+        def __call__(self, text):
+            with self.lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+            time.sleep(0.005)
+            with self.lock:
+                self.inside -= 1
+            return text
+
+        def decode(self, ids):
+            return self(str(ids))
+
+    slow = Slow()
+    tokenizer = SharedTokenizer(slow)
+    threads = [threading.Thread(target=lambda: [tokenizer("a"), tokenizer.decode([1])]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=WAIT)
+    assert slow.most == 1 and isinstance(tokenizer, Slow)

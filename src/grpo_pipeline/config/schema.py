@@ -162,6 +162,12 @@ class RuntimeConfig:
     batch_generate: bool = True
     # How long a queued generate call waits for other episodes' calls before running anyway.
     batch_wait_ms: float = 20.0
+    # The most new tokens one model.generate call of an env may ask for: larger max_new_tokens (or a model's
+    # max_length that leaves more) are cut to this, with a warning. Bounds how long an env's call can hold the run.
+    max_call_tokens: int = 1024
+    # An env's model call still running this many seconds after its batch ended (its episode abandoned) stops
+    # the run with the call named: the trainer cannot update the weights under it.
+    call_deadline_s: float = 300.0
     # raise: stop on the first env error or timeout | zero: score it 0 (no advantage in its group), count it.
     on_error: str = "zero"
     # on_error=zero stops the run when more than this share of the last failure_window training episodes

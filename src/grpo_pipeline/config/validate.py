@@ -109,6 +109,9 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if run.max_turns < 1 or run.max_episode_tokens < 2:
         p.append(f"runtime.max_turns={run.max_turns} must be >= 1 and runtime.max_episode_tokens="
                  f"{run.max_episode_tokens} >= 2.")
+    if run.max_call_tokens < 1 or run.call_deadline_s <= 0:
+        p.append(f"runtime.max_call_tokens={run.max_call_tokens} must be >= 1 and runtime.call_deadline_s="
+                 f"{run.call_deadline_s} > 0.")
     if run.episode_timeout_s <= 0:
         p.append(f"runtime.episode_timeout_s={run.episode_timeout_s}: must be > 0.")
     if not 0 <= run.max_failure_rate <= 1:

@@ -2,8 +2,9 @@
 
 Multi-turn envs call `model.generate` themselves, one episode at a time. While the runtime scores
 a batch, each env thread's call is queued here; a single worker thread runs one `generate` for every
-queued call with the same sampling arguments once all live episodes are waiting (or the oldest call
-has waited `max_wait_s`, so an episode busy with I/O does not hold the others back).
+queued call with the same sampling arguments and a comparable `max_new_tokens` (at most 2x, or 32 tokens more,
+than the shortest of the merge) once all live episodes are waiting (or the oldest call has waited `max_wait_s`,
+so an episode busy with I/O does not hold the others back).
 
 Each caller gets back exactly what its own call would return: its rows, its own left padding, and
 generated tokens up to its own `max_new_tokens`, cut where all its rows have ended at its own eos (as
@@ -148,7 +149,8 @@ class GenerateBatcher:
             for call in batch:
                 groups[call.key].append(call)
             for calls in groups.values():
-                self._run(calls)
+                for comparable in _by_limit(calls):  # shortest first: a short call never waits on a long one
+                    self._run(comparable)
 
     def _ready(self) -> bool:
         if not self.pending:
@@ -209,6 +211,27 @@ class GenerateBatcher:
                 f"{first_ids}): {type(e).__name__}: {e}"
             )
             call.error.__cause__ = e
+
+
+SHORT_EXTRA = 32  # a call of limit n merges with calls of at most max(2n, n + SHORT_EXTRA) new tokens
+
+
+def _by_limit(calls: list[_Call]) -> list[list[_Call]]:
+    """Calls in groups of comparable max_new_tokens, shortest first: each group's longest limit is at most
+    max(2x, +SHORT_EXTRA tokens) its shortest, so a 4-token call never waits behind a 2,000-token one (and
+    times out). Calls without a limit share one prompt width (their key) and stay together."""
+    groups: list[list[_Call]] = []
+    for call in sorted(calls, key=lambda c: c.limit or 0):
+        if groups and call.limit is not None and groups[-1][0].limit is not None:
+            first = groups[-1][0].limit
+            if call.limit <= max(2 * first, first + SHORT_EXTRA):
+                groups[-1].append(call)
+                continue
+        elif groups and call.limit is None and groups[-1][0].limit is None:
+            groups[-1].append(call)
+            continue
+        groups.append([call])
+    return groups
 
 
 def _first_set(*values):

@@ -33,6 +33,7 @@ from grpo_pipeline.runtime.batching import GenerateBatcher
 from grpo_pipeline.runtime.bounded import Episode, run_bounded
 from grpo_pipeline.runtime.failures import FailureBudget, fill_failed_with_group_mean
 from grpo_pipeline.runtime.policy import EpisodeAbandoned, InFlight, PolicyHandle
+from grpo_pipeline.runtime.shared_tokenizer import shared
 
 GREEDY = {"do_sample": False}
 
@@ -78,7 +79,7 @@ class EpisodeRunner:
         `group_size`: generation.num_generations, the most completions of one prompt in a GRPO group."""
         self.env = env
         self.env_name = type(env).__qualname__
-        self.tokenizer = tokenizer
+        self.tokenizer = shared(tokenizer)  # env threads share it: one call at a time (shared_tokenizer.py)
         self.cfg = cfg
         self.extra_columns = list(extra_columns)
         self.sampling = dict(sampling or {})
@@ -133,7 +134,8 @@ class EpisodeRunner:
     def run_episodes(self, completions: list[Any], rows: list[dict], sampling: dict | None = None,
                      skip: list[bool] | None = None) -> list[Episode]:
         """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing.
-        Returns once no env model call is running; every episode's model handle is revoked by then."""
+        Returns once no env model call is running (every episode's model handle is revoked by then); raises
+        EnvError only when a call still runs runtime.call_deadline_s after the batch ended."""
         if self.model is None:
             raise RuntimeError("EpisodeRunner.bind(model) must be called before scoring.")
         batcher = None
@@ -146,8 +148,8 @@ class EpisodeRunner:
             )
         in_flight = InFlight()
         sampling = self.sampling if sampling is None else sampling
-        handles = [PolicyHandle(self.model, in_flight, f"episode {i} ({_preview(row)})", batcher, sampling)
-                   for i, row in enumerate(rows)]
+        handles = [PolicyHandle(self.model, in_flight, f"episode {i} ({_preview(row)})", batcher, sampling,
+                                self.cfg.max_call_tokens) for i, row in enumerate(rows)]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -161,10 +163,12 @@ class EpisodeRunner:
             for i, handle in enumerate(handles):
                 handle.revoke(f"episode {i} of {self.env_name} ended with its batch (the batch was scored); "
                               "it can no longer use the model. Keep no reference to `model` beyond score_episode.")
-            in_flight.wait_idle()
-            if batcher is not None:
-                batcher.close()
-            self.model.train(was_training)
+            try:
+                in_flight.wait_idle(self.cfg.call_deadline_s)  # raises past the deadline: the run stops
+            finally:
+                if batcher is not None and not in_flight.count:
+                    batcher.close()  # (a stuck call would make close wait for it too)
+                self.model.train(was_training)
         return episodes
 
     def _abandoned(self, i: int) -> str:

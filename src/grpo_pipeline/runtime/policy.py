@@ -10,11 +10,14 @@ So every model call an env makes goes through its episode's `PolicyHandle`, whic
 """
 
 import logging
+import math
 import threading
+import time
 from contextlib import contextmanager
 
 import torch
 
+from grpo_pipeline.errors import EnvError
 from grpo_pipeline.runtime.batching import GenerateBatcher
 
 log = logging.getLogger(__name__)
@@ -29,20 +32,31 @@ class InFlight:
     def __init__(self):
         self.cond = threading.Condition()
         self.count = 0
+        self.running: dict[str, int] = {}  # label -> calls of that episode running now
 
-    def wait_idle(self, warn_every_s: float = 60.0) -> None:
-        """Block until no call is running: the trainer must not update weights under a generate."""
+    def wait_idle(self, deadline_s: float = math.inf, warn_every_s: float = 60.0) -> None:
+        """Block until no call is running: the trainer must not update weights under a generate. Past
+        `deadline_s` (runtime.call_deadline_s) an EnvError names the calls: the run stops rather than hang."""
+        started = time.monotonic()
         with self.cond:
             while self.count:
-                if not self.cond.wait(timeout=warn_every_s):
+                left = deadline_s - (time.monotonic() - started)
+                if left <= 0:
+                    raise EnvError(
+                        f"{self.count} model call(s) of env episodes ({', '.join(sorted(self.running))}) still ran "
+                        f"{deadline_s:g}s (runtime.call_deadline_s) after their batch ended; training cannot update "
+                        "the weights under them, so the run stops. Make the env's model calls shorter (runtime."
+                        "max_call_tokens caps max_new_tokens) or raise runtime.call_deadline_s.")
+                if not self.cond.wait(timeout=min(warn_every_s, left)) and self.count and left > warn_every_s:
                     log.warning("Waiting for %d model call(s) of env episodes to finish before training goes on.",
                                 self.count)
 
 
 class PolicyHandle:
     def __init__(self, model, in_flight: InFlight, label: str, batcher: GenerateBatcher | None = None,
-                 sampling: dict | None = None):
+                 sampling: dict | None = None, max_call_tokens: int | None = None):
         self._model = model
+        self._max_call_tokens = max_call_tokens
         self._in_flight = in_flight
         self._label = label  # e.g. "episode 3 (row {...})": names the episode in errors
         self._batcher = batcher
@@ -52,7 +66,7 @@ class PolicyHandle:
 
     # --- what the env calls ----------------------------------------------------------------------
     def generate(self, *args, **kwargs):
-        kwargs = self._with_sampling(kwargs)
+        kwargs = self._capped(self._with_sampling(kwargs), args)
         with self._call():
             if self._batcher is not None:
                 return self._batcher.submit(self._label, args, kwargs)
@@ -108,16 +122,43 @@ class PolicyHandle:
     @contextmanager
     def _call(self):
         """Check the handle, count the call as in flight and turn gradients off, for one model call."""
-        with self._in_flight.cond:  # check and count at once: a revoke either sees this call or refuses it
+        flight = self._in_flight
+        with flight.cond:  # check and count at once: a revoke either sees this call or refuses it
             self._check()
-            self._in_flight.count += 1
+            flight.count += 1
+            flight.running[self._label] = flight.running.get(self._label, 0) + 1
         try:
             with torch.no_grad():
                 yield
         finally:
-            with self._in_flight.cond:
-                self._in_flight.count -= 1
-                self._in_flight.cond.notify_all()
+            with flight.cond:
+                flight.count -= 1
+                flight.running[self._label] -= 1
+                if not flight.running[self._label]:
+                    del flight.running[self._label]
+                flight.cond.notify_all()
+
+    def _capped(self, kwargs: dict, args: tuple) -> dict:
+        """max_new_tokens cut to runtime.max_call_tokens, also when the model's max_length would allow more."""
+        cap = self._max_call_tokens
+        if cap is None or "generation_config" in kwargs:
+            return kwargs
+        asked = kwargs.get("max_new_tokens")
+        if asked is None:
+            ids = args[0] if args else kwargs.get("input_ids")
+            max_length = kwargs.get("max_length") or getattr(getattr(self._model, "generation_config", None),
+                                                             "max_length", None)
+            width = ids.shape[-1] if isinstance(ids, torch.Tensor) else 0
+            if max_length is None or max_length - width <= cap:
+                return kwargs
+            asked = max_length - width
+        if asked <= cap:
+            return kwargs
+        if not _warned_cap:
+            _warned_cap.append(asked)
+            log.warning("An env's model.generate asked for %d new tokens; capped at runtime.max_call_tokens=%d "
+                        "(raise it if the env needs longer calls).", asked, cap)
+        return {k: v for k, v in kwargs.items() if k != "max_length"} | {"max_new_tokens": cap}
 
     def _with_sampling(self, kwargs: dict) -> dict:
         if kwargs.get("do_sample") is False or "generation_config" in kwargs:  # the env chose its own sampling
@@ -125,5 +166,6 @@ class PolicyHandle:
         return {k: v for k, v in self._sampling.items() if k not in kwargs} | kwargs
 
 
-_FIELDS = {"_model", "_in_flight", "_label", "_batcher", "_sampling", "_revoked", "_in_batcher"}
+_FIELDS = {"_model", "_in_flight", "_label", "_batcher", "_sampling", "_revoked", "_in_batcher", "_max_call_tokens"}
+_warned_cap: list[int] = []  # the cap warning is given once per process
 

@@ -139,7 +139,8 @@ class Rollout:
                  tools: list[dict] | None = None, merged_generation: bool = False,
                  sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True,
                  packed: bool = False):
-        self.env, self.tokenizer, self.runner = env, tokenizer, runner
+        self.env, self.runner = env, runner
+        self.tokenizer = getattr(runner, "tokenizer", None) or tokenizer  # the env threads' shared one
         # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
         # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
         # `packed`: float32 copies hold their linear weights prepacked for oneDNN (merged.PackedLinear; a copy in
