@@ -87,3 +87,17 @@ def test_the_weight_push_hides_only_the_rotary_embeddings_warning():
 
     assert _no_rotary_warning(record("RotaryEmbedding")) is False  # a computed cos/sin cache: nothing to load
     assert _no_rotary_warning(record("ParallelLMHead")) is True  # a real layer left unloaded still warns
+
+
+def test_another_trl_minor_fails_at_import_with_the_tested_one_named():
+    import subprocess
+    import sys
+
+    code = "import trl; trl.__version__ = '1.17.0'; import grpo_pipeline.trainer"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "grpo_pipeline needs TRL 1.16.x, and TRL 1.17.0 is installed" in done.stderr
+    assert "pip install 'trl>=1.16,<1.17'" in done.stderr
+    from grpo_pipeline.trainer import check_trl
+
+    check_trl("1.16.3")  # any patch release of the tested minor

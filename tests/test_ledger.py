@@ -129,3 +129,24 @@ def test_a_big_batch_is_sampled_to_the_cap(tmp_path):
     entries = read(ledger.path)
     assert sum(e["split"] == "train" for e in entries) == 3 and sum(e["split"] == "test_after" for e in entries) == 10
     assert all(len(e["completion"]) <= 5 for e in entries)
+
+
+def test_rescore_says_what_code_the_run_dir_makes_it_import_and_from_where(finished_run, capsys):
+    tmp_path, _ = finished_run
+    rescore.rescore(tmp_path / "run", [])
+    err = capsys.readouterr().err
+    assert "rescore imports and runs the code" in err and "Rescore only run dirs you trust" in err
+    assert "env._target_=grpo_pipeline.envs.arithmetic.ArithmeticEnv" in err
+    assert f"modules looked up in {tmp_path}" in err  # the run's launch dir (run.json), not the working dir
+
+
+def test_the_read_only_tools_do_not_import_from_the_working_directory(finished_run, tmp_path):
+    import subprocess
+    import sys
+
+    run_dir, _ = finished_run
+    (tmp_path / "statistics.py").write_text("raise ImportError('the working directory shadowed the stdlib')\n")
+    done = subprocess.run([sys.executable, "-m", "grpo_pipeline.episodes", str(run_dir / "run")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "train" in done.stdout

@@ -16,6 +16,12 @@ Exit code 0: the env works (warnings may remain); 1: episodes fail, time out or 
 scores; 2: the config or env cannot even be loaded.
 """
 
+if __name__ == "__main__":  # before anything else is imported (launch_path.py)
+    from grpo_pipeline.launch_path import drop_launch_dir
+
+    drop_launch_dir()
+
+
 import math
 import random
 import re

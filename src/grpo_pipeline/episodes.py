@@ -8,6 +8,12 @@
 Prompt ids are in every listing (the same prompt has the same id in every run).
 """
 
+if __name__ == "__main__":  # before anything else is imported (launch_path.py)
+    from grpo_pipeline.launch_path import drop_launch_dir
+
+    drop_launch_dir()
+
+
 import argparse
 import statistics
 import sys

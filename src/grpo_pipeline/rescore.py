@@ -15,6 +15,12 @@ An env whose `score_episode` calls the model cannot be re-scored without weights
 counted as failed, with the reason.
 """
 
+if __name__ == "__main__":  # before anything else is imported (launch_path.py)
+    from grpo_pipeline.launch_path import drop_launch_dir
+
+    drop_launch_dir()
+
+
 import argparse
 import statistics
 import sys
@@ -75,7 +81,7 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
 def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tuple[list[dict], list[dict]]:
     """(entries, new scores): for each ledger entry {"reward": new total, "parts": {...}, "error": str|None}."""
     from grpo_pipeline.check import Scorer
-    from grpo_pipeline.envs.loader import load_env
+    from grpo_pipeline.envs.loader import importable_from, load_env
     from grpo_pipeline.models import load_tokenizer
     from grpo_pipeline.runtime.episodes import EpisodeRunner
 
@@ -83,14 +89,16 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
     entries = [e for e in load(str(run_dir)) if (split is None or e["split"] == split) and not e.get("truncated")]
     if not entries:
         raise SystemExit(f"ERROR: no recorded episodes in {run_dir} (split {split or 'any'}).")
-    env = load_env(OmegaConf.to_container(cfg.env, resolve=True))
+    launch_dir = _announce_imports(run_dir, cfg)
+    env = load_env(OmegaConf.to_container(cfg.env, resolve=True), launch_dir=launch_dir)
     tokenizer = load_tokenizer(cfg.model)
     rows = [e.get("row") or {} for e in entries]
     columns = sorted({k for row in rows for k in row})
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns)
     runner.bind(NoWeights())
     multi_turn = any(e.get("messages") for e in entries)
-    scorer = Scorer(cfg, runner, tokenizer, ["prompt", *columns], multi_turn)
+    with importable_from(launch_dir):  # reward components may live in the launch dir, like the env
+        scorer = Scorer(cfg, runner, tokenizer, ["prompt", *columns], multi_turn)
     items = [e["messages"] if multi_turn else e["completion"] for e in entries]
     prompts = [e["prompt"] for e in entries]
     new = []
@@ -102,6 +110,21 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
         if e["split"] != "train":  # held-out evaluation scores by the env alone: so does its re-scoring
             n["reward"] = n["parts"].get("env") if cfg.reward.env_weight > 0 else None
     return entries, new
+
+
+def _announce_imports(run_dir: Path, cfg: DictConfig) -> str:
+    """A run dir is code: its config names classes and functions that rescoring imports and runs. Say which, and
+    from where (the launch dir the run recorded in run.json, else the working directory), before importing."""
+    from grpo_pipeline.run_dir import read_record
+
+    record = read_record(run_dir) or {}
+    launch_dir = record.get("launch_dir") or str(Path.cwd())
+    targets = [f"env._target_={cfg.env.get('_target_')}"]
+    targets += [f"reward.components.{name}._target_={spec.get('_target_')}"
+                for name, spec in (cfg.reward.components or {}).items()]
+    print(f"rescore imports and runs the code {run_dir}'s config names: {', '.join(targets)} (modules looked up in "
+          f"{launch_dir}, then the installed packages). Rescore only run dirs you trust.", file=sys.stderr)
+    return launch_dir
 
 
 def table(entries: list[dict], new: list[dict]) -> str:

@@ -11,14 +11,28 @@ import statistics
 import traceback
 
 import torch
+import trl
 from trl import GRPOTrainer
-
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
 
 from grpo_pipeline import prefix_logps
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
 from grpo_pipeline.runtime.episodes import as_real
 from grpo_pipeline.runtime.rollout import Rollout
+
+TESTED_TRL = "1.16"  # PipelineTrainer overrides private GRPOTrainer methods: the minor version it was tested on
+
+
+def check_trl(version: str) -> None:
+    if version.split(".")[:2] != TESTED_TRL.split("."):
+        raise ImportError(
+            f"grpo_pipeline needs TRL {TESTED_TRL}.x, and TRL {version} is installed: PipelineTrainer overrides "
+            f"private GRPOTrainer methods that change between TRL minor versions. Install the tested one: "
+            f"pip install 'trl>={TESTED_TRL},<{TESTED_TRL.split('.')[0]}.{int(TESTED_TRL.split('.')[1]) + 1}'.")
+
+
+check_trl(trl.__version__)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
 
 FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat (when no rewards are at hand)
 REWARD_TIE = 1e-6  # rewards of a group within this of each other: the group is flat
