@@ -1,4 +1,4 @@
-"""The env runtime, measured side by side in one run on the tiny model (2-core CPU figures in README).
+"""The env runtime, measured side by side in one run on the tiny model (2-core CPU figures in docs/results.md).
 
 (a) I/O-bound env, 50 ms wait per episode, 16 episodes: concurrent vs one-after-another scoring (goal >= 8x)
 (b) multi-turn env, 3 model turns per episode, 8 episodes: batched vs per-episode generate (goal >= 3x)

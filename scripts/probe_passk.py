@@ -1,7 +1,7 @@
 """What the model can sample on the held-out test set: pass@k (the share of test prompts with at least one full
 score among k completions) for k = 1..--samples, at the run's temperature, for the model before training or for a
-trained adapter. GRPO mostly sharpens what the model already samples, so this bounds what a run can reach (README
-"The env doctor"). The test prompts are the run's own (eval.split_seed); completions are sampled from a bf16 copy
+trained adapter. GRPO mostly sharpens what the model already samples, so this bounds what a run can reach (docs/envs.md,
+the env doctor). The test prompts are the run's own (eval.split_seed); completions are sampled from a bf16 copy
 (`--dtype float32` on a CPU without native bf16, where bf16 is the slower of the two).
 
     .venv/bin/python scripts/probe_passk.py                                       # the base model, env=arithmetic

@@ -7,14 +7,20 @@ from peft import LoraConfig, get_peft_model
 from torch.profiler import profile
 
 from conftest import tiny_overrides
+from grpo_pipeline.config.plan import generation_dtype as planned_dtype
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
 from grpo_pipeline.recipe import train
 from grpo_pipeline.runtime import sampler
 from grpo_pipeline.runtime.merged import MergedCopy
-from grpo_pipeline.runtime.rollout import generation_dtype
 from grpo_pipeline.trainer import PipelineTrainer
+
+
+def generation_dtype(cfg, multi_turn: bool = False):
+    """The run plan's sampling dtype as a torch dtype (None: the model's own)."""
+    name, _ = planned_dtype(cfg, multi_turn)
+    return getattr(torch, name) if name else None
 
 
 def _ids(tokenizer):
@@ -158,12 +164,15 @@ def test_loss_ratio_is_against_the_sampler(compose_cfg, tmp_path, monkeypatch, d
 
 
 def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatch):
-    from grpo_pipeline.runtime import rollout
-    from grpo_pipeline.runtime.rollout import packed_generation
+    from grpo_pipeline.config import plan
+    from grpo_pipeline.runtime import merged
+
+    def packed_generation(cfg):
+        return plan.packed_generation(cfg)[0]
 
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
-    monkeypatch.setattr(rollout, "can_pack", lambda: True)
+    monkeypatch.setattr(merged, "can_pack", lambda: True)
     assert packed_generation(cfg) is True  # a float32 copy on a CPU
     cfg.runtime.packed_generation = False
     assert packed_generation(cfg) is False
@@ -174,7 +183,7 @@ def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"runtime.packed_generation=true.*model.dtype=bfloat16"):
         packed_generation(cfg)  # oneDNN packs bf16 only on some CPUs: refused before any weights load
     cfg.runtime.packed_generation = None
-    monkeypatch.setattr(rollout, "can_pack", lambda: False)
+    monkeypatch.setattr(merged, "can_pack", lambda: False)
     cfg.model.dtype = "float32"
     assert packed_generation(cfg) is False
     cfg.runtime.packed_generation = True

@@ -43,7 +43,7 @@ def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path, monkeypatch):
     lora = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])
     assert weight_sync(lora) == "adapter"  # LoRA on GPUs: vLLM's multi-LoRA kernels
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert weight_sync(lora) == "weights"  # on a CPU: merged weights (README "Measured")
+    assert weight_sync(lora) == "weights"  # on a CPU: merged weights (docs/results.md)
     assert weight_sync(compose_cfg(["vllm=colocate", "vllm.weight_sync=adapter", f"output_dir={tmp_path}"])) == "adapter"
     cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])  # LoRA: the runtime's own vLLM engine
     assert grpo_kwargs(cfg, str(tmp_path))["use_vllm"] is False
@@ -54,8 +54,8 @@ def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path, monkeypatch):
 def test_tool_function_env_with_vllm_colocate_is_refused_on_a_cpu(compose_cfg, tmp_path):
     import pytest
 
+    from grpo_pipeline.config.plan import make_plan
     from grpo_pipeline.errors import ConfigError
-    from grpo_pipeline.runtime.rollout import make_rollout
 
     class ToolEnv:
         def score_episode(self, model, tokenizer, completion):
@@ -63,7 +63,7 @@ def test_tool_function_env_with_vllm_colocate_is_refused_on_a_cpu(compose_cfg, t
 
     cfg = compose_cfg(["vllm=colocate", f"output_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"vllm=colocate with .*ToolEnv.get_tool_functions: .* Use vllm=off"):
-        make_rollout(cfg, ToolEnv(), None, None, [lambda city: city])
+        make_plan(cfg, ToolEnv(), None, None, [lambda city: city], "ToolEnv")
 
 
 def test_entropy_bonus_and_adaptive_control_map_onto_trl(compose_cfg, tmp_path):

@@ -181,3 +181,16 @@ def test_credentials_in_urls_are_not_logged_as_params():
                       "vllm": {"server_base_url": "http://tok@10.0.0.1:8000"}, "loss": {"kl_coef": 0.1}})
     assert params == {"tracking.tracking_uri": "https://***@mlflow.example.com",
                       "vllm.server_base_url": "http://***@10.0.0.1:8000", "loss.kl_coef": "0.1"}
+
+
+def test_the_run_says_how_long_it_will_take_after_its_first_steps(compose_cfg, tmp_path, caplog):
+    import logging
+
+    from grpo_pipeline import recipe
+    from grpo_pipeline.callbacks import estimate
+
+    with caplog.at_level(logging.WARNING, logger="grpo_pipeline.callbacks"):
+        recipe.train(compose_cfg([*tiny_overrides(tmp_path), "training.max_steps=5"]), launch_dir=str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Run length:")]
+    assert len(lines) == 1 and "3 steps took a median" in lines[0] and "the remaining 2 step(s) take" in lines[0]
+    assert "remaining 40 step(s) take ~6 min" in estimate([8.0, 9.0, 30.0], 10, 50)  # the median: 9 s, not the mean

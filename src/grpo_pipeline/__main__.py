@@ -1,4 +1,5 @@
 """`python -m grpo_pipeline [group=option ...] [key=value ...]`: one Hydra job = one GRPO run.
+`--plan` prints the run plan (what the run would decide for this machine, model, env and data) and runs nothing.
 
 A PipelineError (bad config, broken env) ends the job with its one-paragraph message and exit code 2;
 set GRPO_PIPELINE_TRACEBACK=1 to see the Python traceback too.
@@ -30,6 +31,7 @@ from grpo_pipeline.redact import (
 )
 
 register_configs()
+PLAN_ONLY = False  # --plan
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
@@ -48,6 +50,11 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if cfg.resume not in (None, "auto") and hydra_cfg.mode != RunMode.MULTIRUN:
             cfg, overrides = _resumed(cfg, overrides)
         check_config(cfg)  # a config error is reported in seconds, before torch and transformers load
+        if PLAN_ONLY:
+            from grpo_pipeline.recipe import plan_only
+
+            print(plan_only(cfg, launch_dir=hydra.utils.get_original_cwd()).table())
+            return None
         from grpo_pipeline.recipe import train
 
         result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides, tags=tags)
@@ -91,6 +98,10 @@ def main() -> None:
 
         translate_main(sys.argv[2:])
         return
+    global PLAN_ONLY
+    if "--plan" in sys.argv[1:]:  # print the run plan (config/plan.py), run nothing
+        sys.argv.remove("--plan")
+        PLAN_ONLY = True
     register_overrides(sys.argv[1:])  # secrets given on the command line, before Hydra logs or writes them
     redact_log_records()  # before Hydra logs the overrides (e.g. a multirun's job list)
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")

@@ -8,6 +8,7 @@ every step, so a signal to any rank stops every rank after the same step (no ran
 collective for the others).
 """
 
+import logging
 import math
 import signal
 import threading
@@ -19,15 +20,32 @@ from transformers.trainer_callback import ProgressCallback, TrainerCallback
 from grpo_pipeline.errors import PipelineError
 from grpo_pipeline.tracking import Tracker, numeric
 
+log = logging.getLogger(__name__)
+
 
 class RunLogger(ProgressCallback):
+    ESTIMATE_AFTER = 3  # steps: then the run's length is estimated once, so nobody waits blind
+
     def __init__(self, tracker: Tracker):
         super().__init__()
         self.tracker = tracker
+        self.step_seconds: list[float] = []
+        self._step_started: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.tracker.hold_uncheckpointed(args.save_strategy != "no")
         return super().on_train_begin(args, state, control, **kwargs)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_started = time.monotonic()
+        return super().on_step_begin(args, state, control, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_started is not None:  # before validation (a later callback): a training step alone
+            self.step_seconds.append(time.monotonic() - self._step_started)
+            if len(self.step_seconds) == self.ESTIMATE_AFTER and state.is_world_process_zero:
+                log.warning("%s", estimate(self.step_seconds, state.global_step, state.max_steps))
+        return super().on_step_end(args, state, control, **kwargs)
 
     def on_save(self, args, state, control, **kwargs):
         self.tracker.checkpointed(state.global_step)  # trainer_state.json, the last file, is on disk
@@ -52,6 +70,15 @@ class RunLogger(ProgressCallback):
         if metrics.get("env/failures"):
             parts.append(f"env failures {metrics['env/failures']:.0f}")
         (self.training_bar.write if self.training_bar is not None else print)(" | ".join(parts))
+
+
+def estimate(step_seconds: list[float], step: int, max_steps: int) -> str:
+    """How long the rest of the run takes at the median step time so far (held-out evaluation comes on top)."""
+    median = sorted(step_seconds)[len(step_seconds) // 2]
+    left = max(0, max_steps - step)
+    ends = time.strftime("%H:%M", time.localtime(time.time() + left * median))
+    return (f"Run length: {len(step_seconds)} steps took a median {median:.1f} s each; the remaining {left} step(s) "
+            f"take ~{left * median / 60:.0f} min more (until ~{ends}), plus validation and the final test evaluation.")
 
 
 EARLY_STOP, TRACKING_FAILED = 1, 100  # stop codes besides signal numbers; the highest wins across ranks

@@ -56,9 +56,10 @@ class Report:
 def run_check(cfg: DictConfig) -> Report:
     from transformers import set_seed
 
+    from grpo_pipeline.config.plan import make_plan
     from grpo_pipeline.config.validate import check_config
     from grpo_pipeline.envs.loader import get_tool_schemas
-    from grpo_pipeline.evaluation import generate
+    from grpo_pipeline.evaluation import Split, generate
     from grpo_pipeline.models import load_model
     from grpo_pipeline.prompts import render_prompt
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
@@ -90,8 +91,8 @@ def run_check(cfg: DictConfig) -> Report:
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sample)
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
-    rollout = make_rollout(cfg, env, tokenizer, runner, [])
-    rollout = rollout if rollout is not None and rollout.multi_turn else None  # single turns: as TRL samples
+    plan = make_plan(cfg, env, tokenizer, Split(dataset, None, None), [], name)
+    rollout = make_rollout(cfg, plan, env, tokenizer, runner) if plan.multi_turn else None  # single turns: as TRL
     set_seed(cfg.seed)  # the same config samples the same completions: a report can be reproduced
     started = time.monotonic()
     failures = [None] * len(prompts)
@@ -196,7 +197,7 @@ def _learnability(r: Report, groups: list[list], sizes: list[int], training_size
 def _reach(r: Report, complete: list[list]) -> None:
     """What training can be expected to reach: GRPO mostly sharpens what the model already samples, so the
     share of prompts solved at least once in k samples (pass@k) roughly predicts what a run makes the greedy answer
-    (measured: near pass@16-32 on env=arithmetic, README "The env doctor")."""
+    (measured: near pass@16-32 on env=arithmetic, docs/envs.md, the env doctor)."""
     ks = [k for k in PASS_KS if k <= len(complete[0])]
     passes = {k: statistics.fmean(pass_at_k(g, k) for g in complete) for k in ks}
     best = {k: statistics.fmean(best_of_k(g, k) for g in complete) for k in ks}

@@ -20,7 +20,7 @@ from grpo_pipeline.runtime.episodes import GREEDY, EpisodeRunner
 
 log = logging.getLogger(__name__)
 # a test set of 50 prompts misjudged the default run's gain: its base score was 0.528, 0.430 on 400 fresh sums
-# (README "Measured"); 200 measure a gain to a paired standard error of ~0.03
+# (docs/results.md); 200 measure a gain to a paired standard error of ~0.03
 AUTO_SHARE, AUTO_MAX_TEST, AUTO_MAX_VAL, MIN_SET = 0.1, 200, 32, 5
 
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # LoRA target modules per model family (config.model_type).
 # Every linear layer of the decoder blocks (attention and MLP), as QLoRA recommends: on the default run it
-# learned more than attention-only LoRA at the same step cost (README, Measured).
+# learned more than attention-only LoRA at the same step cost (docs/results.md).
 _ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS = {
     "llama": _ATTENTION_MLP,

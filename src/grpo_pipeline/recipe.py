@@ -30,7 +30,8 @@ from grpo_pipeline.checkpoints import (
     remove_incomplete,
     replace_dir_durably,
 )
-from grpo_pipeline.config.validate import check_config, fit_step_to_data
+from grpo_pipeline.config.plan import PLAN_FILE, make_plan
+from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.envs.loader import (
     build_env_dataset,
     get_tool_functions,
@@ -49,7 +50,6 @@ from grpo_pipeline.run_dir import check_changes, claim, record_changes, resume_c
 from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
 from grpo_pipeline.runtime.episodes import EpisodeRunner
 from grpo_pipeline.runtime.rollout import make_rollout
-from grpo_pipeline.runtime.vllm_backend import weight_sync
 from grpo_pipeline.tracking import Tracker, TrackingError, flatten
 
 log = logging.getLogger(__name__)
@@ -78,17 +78,16 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                           f"({', '.join(p.name for p in checkpoints)}) loads (see the warnings above).")
     env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
     env_name = type(env).__qualname__
-    split = Split(dataset, None, None)
-    if cfg.eval.enabled:
-        split = split_heldout(dataset, cfg.eval, env_name, _as_list(getattr(env, "heldout_group_by", None)))
-    fitted = fit_step_to_data(cfg, len(split.train), env_name)
-    if fitted:
-        log.warning(fitted)
+    split = _split(cfg, env, dataset)
+    plan = make_plan(cfg, env, tokenizer, split, tool_functions, env_name)  # every choice, once (config/plan.py)
+    if is_main:
+        log.warning("%s", plan.table())
+    given, cfg = cfg, plan.applied(cfg)  # the run's config: the step fitted to the data; the one given is kept
     gen = cfg.generation
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
                            group_size=gen.num_generations)
-    rollout = make_rollout(cfg, env, tokenizer, runner, tool_functions)  # None: TRL generates
+    rollout = make_rollout(cfg, plan, env, tokenizer, runner)  # None: TRL generates
     if rollout is not None and rollout.multi_turn:
         rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn
     if rollout is not None and rollout.uses_vllm:
@@ -101,7 +100,8 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks
 
-    grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights, bool(tool_functions))
+    grpo_config = build_grpo_config(cfg, str(run_dir / "checkpoints"), reward_weights, bool(tool_functions),
+                                    use_vllm=not plan.runtime_generates and cfg.vllm.mode != "off")
     tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main,
                       uri=(record or {}).get("tracking_uri"))  # a resume writes to the store the run started in
     run_uid = record["uid"] if record else uuid.uuid4().hex[:12]
@@ -113,9 +113,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     guard = DivergenceGuard(cfg.training.learning_rate)
     try:
         stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
-        _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
+        _open_run(given, plan, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
-                                 tool_functions, rollout, extra_columns)
+                                 tool_functions, rollout, extra_columns, plan)
         trainer.add_callback(CheckpointMarker(run_uid, cfg.training.save_total_limit))
         trainer.add_callback(guard)
         if checkpoint is not None and is_main:
@@ -210,6 +210,21 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
             rollout.close()
 
 
+def plan_only(cfg: DictConfig, launch_dir: str | None = None, env: Any = None):
+    """The run plan this config would run with (`python -m grpo_pipeline ... --plan`): the env and its dataset
+    are built, no weights load, nothing is written."""
+    check_config(cfg)
+    env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
+    return make_plan(cfg, env, tokenizer, _split(cfg, env, dataset), tool_functions, type(env).__qualname__)
+
+
+def _split(cfg, env, dataset) -> Split:
+    """Training, test and validation prompts (held out only with eval.enabled)."""
+    if not cfg.eval.enabled:
+        return Split(dataset, None, None)
+    return split_heldout(dataset, cfg.eval, type(env).__qualname__, _as_list(getattr(env, "heldout_group_by", None)))
+
+
 def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | None = None,
                          render_tools: bool = True) -> tuple[Any, Any, Any, list]:
     """The env, the tokenizer (no weights), the checked dataset and the env's tool functions. With
@@ -240,20 +255,28 @@ def sampling(gen) -> dict:
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
 
 
-def _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir) -> None:
-    """Reopen the run's MLflow run (a resume), or start one and write the run's record and config (never
-    rewritten: a resume's changes go to config_changes.yaml)."""
+def _open_run(cfg, plan, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid,
+              launch_dir) -> None:
+    """Reopen the run's MLflow run (a resume), or start one and write the run's record, its config as given
+    (never rewritten: a resume's changes go to config_changes.yaml) and its plan (plan.json; a resume's own plan
+    goes to plan-step<N>.json)."""
     if checkpoint is not None and is_main:
         remove_incomplete(run_dir)
     if checkpoint is not None:
         if (run_dir / RUN_ID_FILE).exists():
             tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
         log.warning("Resuming %s from %s", run_dir, checkpoint.name)
+        if is_main:
+            path = plan.write(run_dir) if not (run_dir / PLAN_FILE).exists() else None
+            if path is None:
+                path = run_dir / f"plan-step{_step_of(checkpoint)}.json"
+                path.write_text(json.dumps(plan.as_dict(), indent=2, default=str))
+            tracker.log_artifact(path)
         return
     all_tags = {"env": env_name, "model": cfg.model.name,
                 "overrides": " ".join(mask_override(o) for o in overrides or [])}
-    tracker.start(cfg.tracking.run_name or run_name(cfg, env_name, overrides),
-                  flatten(masked_config(cfg)), all_tags | (tags or {}),
+    params = flatten(masked_config(cfg)) | {f"plan.{c.key}": str(c.value)[:500] for c in plan.choices}
+    tracker.start(cfg.tracking.run_name or run_name(cfg, env_name, overrides), params, all_tags | (tags or {}),
                   description=description(cfg, env_name, overrides))
     if is_main:
         if tracker.run_id:
@@ -261,10 +284,11 @@ def _open_run(cfg, tracker, run_dir, checkpoint, env_name, overrides, tags, is_m
         (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(masked_config(cfg)))
         write_record(run_dir, overrides or [], launch_dir, tracker.uri if tracker.enabled else None, tracker.run_id,
                      uid=run_uid)
+        tracker.log_artifact(plan.write(run_dir))
 
 
 def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,
-                   extra_columns):
+                   extra_columns, plan):
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_pipeline import prefix_logps
@@ -294,7 +318,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         trainer.train_completions = cfg.training.batch_size
         trainer.resample_flat = cfg.generation.resample_flat
         trainer.flat_negative = cfg.generation.flat_negative
-    if rollout is not None and rollout.uses_vllm and weight_sync(cfg) == "adapter":
+    if rollout is not None and rollout.uses_vllm and plan.weight_sync == "adapter":
         trainer.correct_sampler_mismatch()  # vLLM's LoRA kernels: TRL's correction, one more forward a step
     elif rollout is not None and (rollout.uses_vllm or (rollout.sampler is not None
                                                         and rollout.sampler.differs(trainer.model))):

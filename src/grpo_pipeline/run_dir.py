@@ -43,7 +43,8 @@ DATA = (RUN_ID_FILE, "episodes.jsonl", "checkpoints", "summary.json", "model", "
 SAFE_TO_CHANGE = ("training.max_steps", "training.max_minutes", "training.logging_steps", "training.save_steps",
                   "training.save_total_limit", "training.save_model", "tracking.flush_every_s",
                   "tracking.outage_grace_s", "tracking.run_name", "tracking.secret_keys", "ledger.*",
-                  "runtime.max_concurrency", "runtime.episode_timeout_s", "runtime.batch_wait_ms", "eval.batch_size",
+                  "runtime.max_concurrency", "runtime.episode_timeout_s", "runtime.batch_wait_ms", "runtime.call_deadline_s",
+                  "runtime.max_call_tokens", "eval.batch_size",
                   "eval.after", "check.*")
 NOT_COMPARED = ("output_dir", "resume", "resume_allow")
 

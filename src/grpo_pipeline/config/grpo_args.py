@@ -20,7 +20,8 @@ CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in GRP
 
 
 def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None,
-                tool_functions: bool = False) -> dict[str, Any]:
+                tool_functions: bool = False, use_vllm: bool | None = None) -> dict[str, Any]:
+    """`use_vllm`: TRL's own vLLM generates (the run plan decides; None: decided here from the config)."""
     gen, loss, train, vllm = cfg.generation, cfg.loss, cfg.training, cfg.vllm
     use_cpu = train.use_cpu if train.use_cpu is not None else not torch.cuda.is_available()
     kwargs: dict[str, Any] = {
@@ -67,7 +68,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
         "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs
         # generation backend: TRL's vLLM, unless the runtime generates through vLLM itself (vllm_backend.py)
-        "use_vllm": vllm.mode != "off" and not vllm_in_runtime(cfg, tool_functions),
+        "use_vllm": (vllm.mode != "off" and not vllm_in_runtime(cfg, tool_functions)) if use_vllm is None else use_vllm,
     }
     if kwargs["use_vllm"]:
         kwargs |= {
@@ -82,5 +83,5 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
 
 
 def build_grpo_config(cfg: TrainConfig, output_dir: str, reward_weights: list[float] | None = None,
-                      tool_functions: bool = False) -> GRPOConfig:
-    return GRPOConfig(**grpo_kwargs(cfg, output_dir, reward_weights, tool_functions))
+                      tool_functions: bool = False, use_vllm: bool | None = None) -> GRPOConfig:
+    return GRPOConfig(**grpo_kwargs(cfg, output_dir, reward_weights, tool_functions, use_vllm))

@@ -191,7 +191,7 @@ class RuntimeConfig:
     # model's own (multi-turn: measured slower in bf16).
     generation_dtype: str | None = None
     # Hold a float32 merged copy's linear weights prepacked for oneDNN's matmul (repacked at every refresh): a CPU
-    # decode step reads the weights ~2x faster (README "What a step costs"). null: on for a float32 copy on a CPU
+    # decode step reads the weights ~2x faster (docs/performance.md). null: on for a float32 copy on a CPU
     # whose torch has oneDNN; a bf16 copy keeps torch's own matmul (not measured packed).
     packed_generation: bool | None = None
 
@@ -225,7 +225,7 @@ class EvalConfig:
     # model-last/ always the last ones. false: model/ is the last step's.
     keep_best: bool = True
     # The highest of several noisy validation scores is partly luck: on the default run the best-scored step's
-    # weights scored below the last step's on the test set for each of 5 seeds (README "Measured"). 0: the
+    # weights scored below the last step's on the test set for each of 5 seeds (docs/results.md). 0: the
     # best-scored step whenever it scored above the last.
     best_margin: float = 2.0
     # Stop training after this many validations without improvement (0: never stop early).

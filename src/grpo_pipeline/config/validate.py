@@ -229,30 +229,32 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError("Invalid config:\n" + "\n".join(f"  - {x}" for x in problems))
 
 
-def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
-    """Fit the step's shape to where it runs and to the data, saying what was chosen (None: nothing changed).
-    Dynamic sampling picks whole groups on one process, so it is off with several processes or gradient
-    accumulation (a group may span them). A step samples batch_size x oversample / num_generations prompts; an
-    env with fewer training rows would never fill one step (TRL then trains nothing): the step shrinks to the
-    data, dynamic sampling first."""
+def fit_step(cfg: TrainConfig, rows: int, env_name: str) -> tuple[dict, str | None]:
+    """The step's shape fitted to where it runs and to the data, and what was chosen (None: nothing changed);
+    `cfg` is not changed (the run plan applies the shape to a copy). Dynamic sampling picks whole groups on one
+    process, so it is off with several processes or gradient accumulation (a group may span them). A step
+    samples batch_size x oversample / num_generations prompts; an env with fewer training rows would never fill
+    one step (TRL then trains nothing): the step shrinks to the data, dynamic sampling first."""
     gen, train = cfg.generation, cfg.training
+    batch_size, oversample = train.batch_size, gen.oversample
+    resample_flat, flat_negative = gen.resample_flat, gen.flat_negative
     world = int(os.environ.get("WORLD_SIZE", "1"))
     said = []
-    if (gen.oversample > 1 or gen.resample_flat) and (world > 1 or train.gradient_accumulation_steps > 1):
-        gen.oversample, gen.resample_flat, gen.flat_negative = 1, 0, 0.0
+    if (oversample > 1 or resample_flat) and (world > 1 or train.gradient_accumulation_steps > 1):
+        oversample, resample_flat, flat_negative = 1, 0, 0.0
         said.append(f"generation.oversample, resample_flat and flat_negative (dynamic sampling) run on one process "
                     f"without gradient accumulation; with {world} process(es) and training.gradient_accumulation_steps="
                     f"{train.gradient_accumulation_steps} they are off (generation.oversample=1, resample_flat=0, "
                     "flat_negative=0).")
     ga = train.gradient_accumulation_steps
     batches = world * ga  # per-process batches one generation fills (TRL: steps_per_generation = GA)
-    asked = train.batch_size * gen.oversample * batches // gen.num_generations  # prompts per generation
+    asked = batch_size * oversample * batches // gen.num_generations  # prompts per generation
     if 1 <= rows < asked:
-        before = f"training.batch_size={train.batch_size}, generation.oversample={gen.oversample}"
-        gen.oversample = max(1, min(gen.oversample, rows * gen.num_generations // (train.batch_size * batches)))
-        if rows * gen.num_generations < train.batch_size * gen.oversample * batches:
-            train.batch_size = max(gen.num_generations, rows // batches * gen.num_generations)
-        now = train.batch_size * gen.oversample * batches // gen.num_generations
+        before = f"training.batch_size={batch_size}, generation.oversample={oversample}"
+        oversample = max(1, min(oversample, rows * gen.num_generations // (batch_size * batches)))
+        if rows * gen.num_generations < batch_size * oversample * batches:
+            batch_size = max(gen.num_generations, rows // batches * gen.num_generations)
+        now = batch_size * oversample * batches // gen.num_generations
         where = (f" over {world} process(es) x training.gradient_accumulation_steps={ga}" if batches > 1 else "")
         if now > rows:
             raise ConfigError(f"{env_name} has {rows} training prompt(s), fewer than one generation needs: "
@@ -262,6 +264,8 @@ def fit_step_to_data(cfg: TrainConfig, rows: int, env_name: str) -> str | None:
                               "more rows.")
         said.append(f"{env_name} has {rows} training prompt(s) but a step samples {asked} ({before}, "
                     f"generation.num_generations={gen.num_generations}{where}): using training.batch_size="
-                    f"{train.batch_size}, generation.oversample={gen.oversample} ({now} prompt(s) a step{where}). "
+                    f"{batch_size}, generation.oversample={oversample} ({now} prompt(s) a step{where}). "
                     "Set them yourself to choose.")
-    return " ".join(said) or None
+    step = {"training.batch_size": batch_size, "generation.oversample": oversample,
+            "generation.resample_flat": resample_flat, "generation.flat_negative": flat_negative}
+    return step, " ".join(said) or None

@@ -11,7 +11,7 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0.
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
-(0.3 + 0.6 * share for any real room beat the 0.2 of a search; README "Measured", multi-turn).
+(0.3 + 0.6 * share for any real room beat the 0.2 of a search; docs/results.md, multi-turn).
 """
 
 import json

@@ -43,7 +43,7 @@ def vllm_in_runtime(cfg, tool_functions: bool = False) -> bool:
 
 
 def weight_sync(cfg) -> str:
-    """vllm.weight_sync, with null resolved: `weights` without LoRA or on a CPU (README "Measured": vLLM's CPU LoRA
+    """vllm.weight_sync, with null resolved: `weights` without LoRA or on a CPU (docs/results.md: vLLM's CPU LoRA
     kernels cost more per token than a weight push costs per step), `adapter` for LoRA on GPUs."""
     import torch
 

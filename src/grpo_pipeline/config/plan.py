@@ -1,0 +1,224 @@
+"""The run plan: every "null = choose for me" decision of a run, made once, before weights load.
+
+`make_plan` looks at the config, the env (does it have `respond`, tool functions, its own turn limits), the
+machine (GPU or CPU, what its CPU does fast: runtime/machine.py) and the data (how many training prompts, the
+held-out split) and decides, with the reason for each:
+- which backend generates: the runtime's decode loop, the runtime through vLLM, TRL, or TRL's vLLM / tool loop;
+- the sampling copy: merged or not, its dtype, prepacked weights, vLLM's weight sync;
+- a multi-turn episode's limits; the step's shape fitted to the data; the held-out sizes; the loss path.
+The recipe prints it as a table, writes it to `<run dir>/plan.json` and logs it to MLflow; the parts of the
+run take their decisions from it (nothing decides twice). The config itself is never changed: `applied(cfg)`
+is a copy with the fitted step shape. `python -m grpo_pipeline ... --plan` prints the plan and runs nothing.
+"""
+
+import copy
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo_pipeline.config.validate import fit_step
+from grpo_pipeline.errors import ConfigError
+
+log = logging.getLogger(__name__)
+PLAN_FILE = "plan.json"
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    backend: str  # runtime | runtime+vllm | trl | trl+vllm | trl+tools
+    multi_turn: bool
+    device: str  # cpu | cuda
+    generation_dtype: str | None  # the sampling copy's dtype; None: the policy's own
+    merged_generation: bool
+    packed_generation: bool
+    weight_sync: str | None  # the runtime's vLLM: weights | adapter
+    max_turns: int
+    turn_tokens: int
+    max_episode_tokens: int
+    step: dict[str, Any]  # the step's shape: training.batch_size, generation.oversample, ...
+    train_prompts: int
+    val_prompts: int
+    test_prompts: int
+    choices: tuple[Choice, ...] = field(default=())
+
+    @property
+    def runtime_generates(self) -> bool:
+        return self.backend.startswith("runtime")
+
+    @property
+    def runtime_vllm(self) -> bool:
+        return self.backend == "runtime+vllm"
+
+    def applied(self, cfg: DictConfig) -> DictConfig:
+        """A copy of `cfg` with the fitted step shape (the config given is not changed)."""
+        out = copy.deepcopy(cfg)
+        for key, value in self.step.items():
+            OmegaConf.update(out, key, value)
+        return out
+
+    def table(self) -> str:
+        width = max(len(c.key) for c in self.choices)
+        lines = [f"Run plan ({PLAN_FILE}):"]
+        lines += [f"  {c.key:<{width}}  {_show(c.value):<10}  {c.why}" for c in self.choices]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["choices"] = [asdict(c) for c in self.choices]
+        return data
+
+    def write(self, run_dir: Path) -> Path:
+        from grpo_pipeline.checkpoints import write_durably
+
+        path = Path(run_dir) / PLAN_FILE
+        write_durably(path, json.dumps(self.as_dict(), indent=2, default=str))
+        return path
+
+
+def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list, env_name: str) -> RunPlan:
+    """Decide once what the run does on this machine, for this env and data (see the module's doc)."""
+    import torch
+
+    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime, weight_sync
+
+    choices: list[Choice] = []
+    gpu = torch.cuda.is_available() and not cfg.training.use_cpu
+    multi_turn = callable(getattr(env, "respond", None))
+    _refuse_backend_conflicts(cfg, env_name, multi_turn, bool(tool_functions), gpu)
+    in_runtime = vllm_in_runtime(cfg, bool(tool_functions))
+    if tool_functions:
+        backend, why = "trl+tools", f"{env_name}.get_tool_functions: TRL's tool loop runs the tool calls"
+    elif cfg.vllm.mode != "off" and not in_runtime:
+        backend, why = "trl+vllm", f"vllm={cfg.vllm.mode}: TRL's vLLM generates ({'server' if cfg.vllm.mode == 'server' else 'full fine-tuning on GPUs'})"
+    elif in_runtime:
+        backend, why = "runtime+vllm", "vllm=colocate: the runtime generates through an in-process vLLM"
+    else:
+        backend = "runtime"
+        why = (f"{env_name} has respond(): the runtime generates every turn" if multi_turn else
+               "the runtime's batched decode loop (shared-prefix KV cache, log-probs of the sampled tokens)")
+    choices.append(Choice("backend", backend, why))
+    runtime = backend.startswith("runtime")
+
+    merged = cfg.runtime.merged_generation
+    merged_why = "runtime.merged_generation"
+    if merged is None:
+        merged, merged_why = not gpu, ("on a CPU: a W + BA copy decodes without the adapter's per-token cost"
+                                       if not gpu else "on GPUs: the policy itself")
+    packed, packed_why = packed_generation(cfg, gpu)
+    dtype, dtype_why = generation_dtype(cfg, multi_turn, gpu, packed)
+    sync = weight_sync(cfg) if backend == "runtime+vllm" else None
+    if runtime:
+        choices.append(Choice("runtime.merged_generation", merged, merged_why))
+        choices.append(Choice("runtime.generation_dtype", dtype or cfg.model.dtype, dtype_why))
+        choices.append(Choice("runtime.packed_generation", packed, packed_why))
+    if sync is not None:
+        choices.append(Choice("vllm.weight_sync", sync, "vllm.weight_sync" if cfg.vllm.weight_sync else
+                              "null: merged weights on a CPU or without LoRA, the adapter for LoRA on GPUs"))
+
+    max_turns, turn_tokens = 1, cfg.generation.max_new_tokens
+    max_episode_tokens = turn_tokens
+    if multi_turn:
+        env_turns, env_tokens = getattr(env, "max_turns", None), getattr(env, "turn_max_new_tokens", None)
+        max_turns = int(env_turns or cfg.runtime.max_turns)
+        turn_tokens = int(env_tokens or cfg.generation.max_new_tokens)
+        max_episode_tokens = cfg.runtime.max_episode_tokens
+        choices.append(Choice("turns", f"{max_turns} x {turn_tokens}",
+                              f"assistant turns x tokens a turn ({'the env' if env_turns else 'runtime.max_turns'}, "
+                              f"{'the env' if env_tokens else 'generation.max_new_tokens'}); at most "
+                              f"{max_episode_tokens} tokens an episode (runtime.max_episode_tokens)"))
+
+    step, said = fit_step(cfg, len(split.train), env_name)
+    shape = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in step.items())
+    choices.append(Choice("step", shape, said or "as configured"))
+    n_val = len(split.val) if split.val is not None else 0
+    n_test = len(split.test) if split.test is not None else 0
+    choices.append(Choice("held-out", f"{n_test} + {n_val}",
+                          "test + validation prompts" + ("" if cfg.eval.enabled else " (eval.enabled=false)")
+                          + f"; {len(split.train)} training prompts"))
+    loss = cfg.loss
+    choices.append(Choice("loss", loss.loss_type, f"beta (loss.kl_coef)={loss.kl_coef:g}"
+                          + (" with a reference model" if loss.kl_coef else ", no reference model")
+                          + f", clip {loss.clip_range:g}" + (f"/{loss.epsilon_high:g}" if loss.epsilon_high else "")))
+    return RunPlan(backend=backend, multi_turn=multi_turn, device="cuda" if gpu else "cpu",
+                   generation_dtype=dtype, merged_generation=bool(merged), packed_generation=packed,
+                   weight_sync=sync, max_turns=max_turns, turn_tokens=turn_tokens,
+                   max_episode_tokens=max_episode_tokens, step=step, train_prompts=len(split.train),
+                   val_prompts=n_val, test_prompts=n_test, choices=tuple(choices))
+
+
+def generation_dtype(cfg, multi_turn: bool = False, gpu: bool | None = None,
+                     packed: bool | None = None) -> tuple[str | None, str]:
+    """(the sampling copy's dtype, or None for the model's own; why). null: bfloat16 for a single-turn env's float32
+    model on a CPU where bf16 matmuls measure faster (runtime/machine.py); the model's own otherwise (a multi-turn
+    env=hotel step measured slower in bf16, cause not found)."""
+    from grpo_pipeline.runtime import machine
+
+    gpu = _gpu(cfg) if gpu is None else gpu
+    name = cfg.runtime.generation_dtype
+    if name is not None:
+        why = "runtime.generation_dtype"
+    elif gpu:
+        why = "null on GPUs: the model's own dtype"
+    elif multi_turn:
+        why = "null for a multi-turn env: the model's own (a hotel step measured slower in bf16)"
+    elif cfg.model.dtype != "float32":
+        why = f"null: the model's own {cfg.model.dtype}"
+    else:
+        choice = machine.sampling_dtype(packed_generation(cfg, gpu)[0] if packed is None else packed)
+        name, why = choice.value, f"null: {choice.why}"
+    return (None if name is None or name == cfg.model.dtype else name), why
+
+
+def packed_generation(cfg, gpu: bool | None = None) -> tuple[bool, str]:
+    """runtime.packed_generation resolved, and why: null packs where the copies run float32 on a CPU with oneDNN."""
+    from grpo_pipeline.runtime.merged import can_pack
+
+    cpu = not (_gpu(cfg) if gpu is None else gpu)
+    possible = cpu and cfg.model.dtype == "float32" and can_pack()
+    if cfg.runtime.packed_generation is None:
+        return possible, ("null: float32 linear weights held prepacked for oneDNN's CPU matmul" if possible else
+                          "null: prepacking is oneDNN's float32 CPU matmul, not this run's")
+    if cfg.runtime.packed_generation and not possible:
+        why = ("generates on a GPU" if not cpu else "has no oneDNN in its torch" if not can_pack()
+               else f"runs model.dtype={cfg.model.dtype} (packed here: float32 only)")
+        raise ConfigError(f"runtime.packed_generation=true: prepacked weights are oneDNN's CPU matmul, and this run "
+                          f"{why}; use null (chosen per machine) or false.")
+    return bool(cfg.runtime.packed_generation), "runtime.packed_generation"
+
+
+def _gpu(cfg) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and not cfg.training.use_cpu
+
+
+def _refuse_backend_conflicts(cfg, env_name: str, multi_turn: bool, tools: bool, gpu: bool) -> None:
+    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
+
+    if multi_turn and tools:
+        raise ConfigError(f"{env_name} has both respond() and get_tool_functions(): a multi-turn env runs its tools "
+                          "in respond; drop get_tool_functions.")
+    if tools and vllm_in_runtime(cfg) and not gpu:
+        raise ConfigError(f"vllm=colocate with {env_name}.get_tool_functions: TRL's tool loop generates those "
+                          "episodes through TRL's own vLLM, which cannot take the policy's weights on a CPU (vLLM's "
+                          "CPU build fails the weight push). Use vllm=off here, or run the tools in a multi-turn "
+                          "env's respond() (the runtime serves that through vLLM).")
+    if multi_turn and cfg.vllm.mode != "off" and not vllm_in_runtime(cfg, tools):
+        raise ConfigError(f"vllm={cfg.vllm.mode} with the multi-turn {env_name}: multi-turn episodes are generated by "
+                          "the runtime, which serves vLLM as vllm=colocate with LoRA (lora=default) on GPUs, and as "
+                          "any vllm=colocate run on a CPU; use that, or vllm=off.")
+
+
+def _show(value: Any) -> str:
+    return "on" if value is True else "off" if value is False else str(value)

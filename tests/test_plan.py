@@ -1,0 +1,66 @@
+"""The run plan (config/plan.py): every automatic choice made once before weights load, printed, written to
+plan.json and MLflow, and what the run then does; the config given is never changed."""
+
+import json
+
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import run_cli, tiny_overrides
+from grpo_pipeline import recipe
+from grpo_pipeline.runtime import machine
+
+FOUR_ROWS = ("from datasets import Dataset\nclass Four:\n    def build_dataset(self, tokenizer):\n"
+             "        return Dataset.from_list([{'prompt': f'Say {i}'} for i in range(4)])\n"
+             "    def score_episode(self, model, tokenizer, completion):\n        return len(completion) % 3 / 2\n")
+
+
+def test_the_plan_decides_once_and_the_runtime_samples_as_it_says(compose_cfg, tmp_path, monkeypatch, caplog):
+    asked, built = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
+    monkeypatch.setattr(machine, "sampling_dtype",
+                        lambda packed: asked.append(packed) or machine.Choice("bfloat16", "measured 1.4x (a test)"))
+    real = recipe.make_rollout
+    monkeypatch.setattr(recipe, "make_rollout", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("runtime.generation_dtype")]
+    with caplog.at_level("WARNING"):
+        result = recipe.train(compose_cfg([*overrides, "runtime.generation_dtype=null"]), launch_dir=str(tmp_path))
+    assert len(asked) == 1  # decided once, before weights loaded
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["backend"] == "runtime" and plan["generation_dtype"] == "bfloat16"
+    choice = next(c for c in plan["choices"] if c["key"] == "runtime.generation_dtype")
+    assert choice["value"] == "bfloat16" and "measured 1.4x (a test)" in choice["why"]
+    assert built[0].sampler.dtype == torch.bfloat16 and built[0].merged.dtype is None  # what the plan said
+    assert "Run plan (plan.json):" in caplog.text and "measured 1.4x (a test)" in caplog.text
+    run = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id)
+    assert run.data.params["plan.backend"] == "runtime"
+    assert run.data.params["plan.runtime.generation_dtype"] == "bfloat16"
+
+
+def test_the_config_given_is_not_changed_and_a_fitted_run_resumes(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "four.py").write_text(FOUR_ROWS)
+    overrides = [*tiny_overrides(tmp_path, ["env=custom", "env._target_=four.Four"]), "training.batch_size=16",
+                 "training.save_steps=1", "training.max_steps=1"]
+    cfg = compose_cfg(overrides)
+    recipe.train(cfg, launch_dir=str(tmp_path))
+    assert cfg.training.batch_size == 16  # not rewritten in place
+    run_dir = tmp_path / "run"
+    assert yaml.safe_load((run_dir / "resolved_config.yaml").read_text())["training"]["batch_size"] == 16
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["step"]["training.batch_size"] == 8 and plan["train_prompts"] == 4  # fitted to the 4 rows
+    step = next(c for c in plan["choices"] if c["key"] == "step")
+    assert "Four has 4 training prompt(s)" in step["why"]
+    resumed = recipe.train(compose_cfg([*overrides, "training.max_steps=2", f"resume={run_dir}"]),
+                           launch_dir=str(tmp_path))  # the same config as given: nothing to refuse
+    assert resumed.steps == 2 and (run_dir / "plan-step1.json").exists()
+
+
+def test_plan_prints_the_plan_and_trains_nothing(tmp_path):
+    done = run_cli(["model=tiny", "env=arithmetic", "env.num_samples=24", "eval.enabled=false", "--plan",
+                    f"output_dir={tmp_path / 'run'}", f"tracking.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+                   cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Run plan (plan.json):" in done.stdout and "backend" in done.stdout and "step" in done.stdout
+    assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "mlflow.db").exists()
