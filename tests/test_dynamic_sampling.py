@@ -164,15 +164,18 @@ def test_a_run_trains_only_groups_with_spread(compose_cfg, tmp_path, monkeypatch
 
 
 def test_oversample_is_checked_and_off_where_groups_cannot_be_picked_locally(compose_cfg, tmp_path, monkeypatch):
-    from grpo_pipeline.config.validate import fit_step_to_data
+    from grpo_pipeline.config.validate import fit_step
 
     with pytest.raises(ConfigError, match="generation.oversample=0"):
         check_config(compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=0"]))
     cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2", "training.gradient_accumulation_steps=2"])
-    assert "they are off" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
+    step, said = fit_step(cfg, 100, "E")
+    assert "they are off" in said and step["generation.oversample"] == 1
+    assert cfg.generation.oversample == 2  # the config given is not changed (the run plan applies it to a copy)
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg = compose_cfg([*tiny_overrides(tmp_path), "generation.oversample=2"])
-    assert "with 2 process(es)" in fit_step_to_data(cfg, 100, "E") and cfg.generation.oversample == 1
+    step, said = fit_step(cfg, 100, "E")
+    assert "with 2 process(es)" in said and step["generation.oversample"] == 1
 
 
 class FourRowEnv:
@@ -195,30 +198,36 @@ def test_a_four_row_env_trains_with_the_default_step_shape_and_says_what_it_chos
     assert "using training.batch_size=16, generation.oversample=1 (4 prompt(s) a step)" in caplog.text
 
 
-def test_fit_step_to_data_shrinks_oversampling_first_then_the_batch(compose_cfg, tmp_path):
-    from grpo_pipeline.config.validate import fit_step_to_data
+def test_fit_step_shrinks_oversampling_first_then_the_batch(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import fit_step
 
     cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=16", "generation.num_generations=4",
                        "generation.oversample=3"])
-    assert fit_step_to_data(cfg, 12, "E") is None  # 12 prompts a step: fits
-    assert fit_step_to_data(cfg, 9, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (2, 16)
-    assert fit_step_to_data(cfg, 2, "E") and (cfg.generation.oversample, cfg.training.batch_size) == (1, 8)
+
+    def shape(rows):
+        step, said = fit_step(cfg, rows, "E")
+        return step["generation.oversample"], step["training.batch_size"], said is not None
+
+    assert shape(12) == (3, 16, False)  # 12 prompts a step: fits
+    assert shape(9) == (2, 16, True)
+    assert shape(2) == (1, 8, True)
 
 
-def test_fit_step_to_data_counts_gradient_accumulation_and_refuses_what_cannot_fill_a_generation(compose_cfg, tmp_path):
-    from grpo_pipeline.config.validate import fit_step_to_data
+def test_fit_step_counts_gradient_accumulation_and_refuses_what_cannot_fill_a_generation(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import fit_step
 
     # TRL samples batch_size x gradient_accumulation_steps completions per generation: 8 x 2 / 4 = 4 prompts
     cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=8", "generation.num_generations=4",
                        "generation.oversample=1", "training.gradient_accumulation_steps=2"])
-    assert fit_step_to_data(cfg, 4, "E") is None
-    said = fit_step_to_data(cfg, 3, "E")  # 3 rows: one group per accumulation step = 2 prompts
-    assert cfg.training.batch_size == 4 and "a step samples 4" in said and "(2 prompt(s) a step over 1 process(es)" in said
+    assert fit_step(cfg, 4, "E")[1] is None
+    step, said = fit_step(cfg, 3, "E")  # 3 rows: one group per accumulation step = 2 prompts
+    assert step["training.batch_size"] == 4 and "a step samples 4" in said
+    assert "(2 prompt(s) a step over 1 process(es)" in said
     cfg = compose_cfg([*tiny_overrides(tmp_path), "training.batch_size=8", "generation.num_generations=4",
                        "generation.oversample=1", "training.gradient_accumulation_steps=4"])
     with pytest.raises(ConfigError, match=r"E has 3 training prompt\(s\), fewer than one generation needs: 4 .*"
                                           r"Lower training.gradient_accumulation_steps"):
-        fit_step_to_data(cfg, 3, "E")
+        fit_step(cfg, 3, "E")
 
 
 # --- adaptive sampling for flat groups (generation.resample_flat) ---------------------------------------------

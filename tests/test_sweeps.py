@@ -138,13 +138,12 @@ def test_two_processes_through_accelerate(tmp_path):
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # only the main process tracks
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_accelerate_configs_are_valid_yaml(stage):
+def test_the_deepspeed_accelerate_config_is_valid_yaml_and_zero2():
     import yaml
 
-    path = CONFIG_DIR.parent / "accelerate" / f"deepspeed_zero{stage}.yaml"
+    path = CONFIG_DIR.parent / "accelerate" / "deepspeed_zero2.yaml"  # ZeRO-3 is refused (config/validate.py)
     config = yaml.safe_load(path.read_text())
-    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == stage
+    assert config["distributed_type"] == "DEEPSPEED" and config["deepspeed_config"]["zero_stage"] == 2
 
 
 def test_ray_launcher_preset_shape_without_the_plugin():

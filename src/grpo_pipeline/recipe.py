@@ -266,12 +266,12 @@ def _open_run(cfg, plan, tracker, run_dir, checkpoint, env_name, overrides, tags
         if (run_dir / RUN_ID_FILE).exists():
             tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
         log.warning("Resuming %s from %s", run_dir, checkpoint.name)
-        if is_main:
-            path = plan.write(run_dir) if not (run_dir / PLAN_FILE).exists() else None
-            if path is None:
+        if is_main:  # (logged to MLflow with the other outputs at the end: a store that is down never holds the start)
+            if (run_dir / PLAN_FILE).exists():
                 path = run_dir / f"plan-step{_step_of(checkpoint)}.json"
                 path.write_text(json.dumps(plan.as_dict(), indent=2, default=str))
-            tracker.log_artifact(path)
+            else:
+                plan.write(run_dir)
         return
     all_tags = {"env": env_name, "model": cfg.model.name,
                 "overrides": " ".join(mask_override(o) for o in overrides or [])}
@@ -284,7 +284,7 @@ def _open_run(cfg, plan, tracker, run_dir, checkpoint, env_name, overrides, tags
         (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(masked_config(cfg)))
         write_record(run_dir, overrides or [], launch_dir, tracker.uri if tracker.enabled else None, tracker.run_id,
                      uid=run_uid)
-        tracker.log_artifact(plan.write(run_dir))
+        plan.write(run_dir)
 
 
 def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,

@@ -73,7 +73,8 @@ def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
             tracker.log_metrics({"best/val_mean_reward": result.best_val, "best/step": float(result.best_step),
                                  "last/val_mean_reward": result.last_val, "model/step": float(result.model_step)},
                                 step=result.steps)
-        for name in ("summary.json", "resolved_config.yaml", "reward_curve.png"):
+        plans = sorted(p.name for p in run_dir.glob("plan-step*.json"))
+        for name in ("summary.json", "resolved_config.yaml", "reward_curve.png", "plan.json", *plans):
             tracker.log_artifact(run_dir / name)
     except TrackingError as e:
         log.warning("%s. The run finished and its outputs are in %s; only MLflow's copy of them is missing.",
