@@ -28,7 +28,7 @@ def test_user_names_map_onto_trl(compose_cfg, tmp_path):
 
 
 def test_vllm_modes_map_onto_trl(compose_cfg, tmp_path, monkeypatch):
-    from grpo_pipeline.runtime.vllm_backend import weight_sync
+    from grpo_pipeline.config.validate import weight_sync
 
     cfg = compose_cfg(["vllm=server", "vllm.server_port=8123", f"output_dir={tmp_path}"])
     kw = grpo_kwargs(cfg, str(tmp_path))

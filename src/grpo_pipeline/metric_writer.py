@@ -11,16 +11,30 @@
   steps a kill kept from being written).
 """
 
+import errno
 import logging
 import math
 import threading
 import time
 
 from grpo_pipeline.redact import mask_secrets
-from grpo_pipeline.tracking import permanent
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch
+
+
+# MLflow error codes that the store gives again however long one waits (not an outage)
+PERMANENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED", "INVALID_STATE",
+                   "RESOURCE_ALREADY_EXISTS")
+
+
+def permanent(error: BaseException) -> bool:
+    """A store error that retrying cannot fix: a run id the store lacks, refused values, an artifact store this
+    process may not write (permission denied, read-only file system). Outages (refused connections, timeouts,
+    5xx, a locked sqlite file) are not permanent."""
+    if getattr(error, "error_code", None) in PERMANENT_CODES:
+        return True
+    return isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class MetricWriter:

@@ -12,7 +12,6 @@ metrics of every step up to it, and `resume` writes any of those MLflow lacks, s
 loses nothing and duplicates nothing. Everything written here passes through `mask_secrets`.
 """
 
-import errno
 import json
 import logging
 import math
@@ -24,6 +23,7 @@ from typing import Any
 
 from grpo_pipeline.config.schema import TrackingConfig
 from grpo_pipeline.errors import ConfigError, PipelineError
+from grpo_pipeline.metric_writer import permanent
 from grpo_pipeline.redact import mask_secrets
 
 log = logging.getLogger(__name__)
@@ -57,20 +57,6 @@ def flatten(node: Any, prefix: str = "") -> dict[str, str]:
             out.update(flatten(value, f"{prefix}{key}."))
         return out
     return {prefix.rstrip("."): mask_secrets(str(node))[:_MAX_PARAM_LEN]}
-
-
-# MLflow error codes that the store gives again however long one waits (not an outage)
-PERMANENT_CODES = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED", "INVALID_STATE",
-                   "RESOURCE_ALREADY_EXISTS")
-
-
-def permanent(error: BaseException) -> bool:
-    """A store error that retrying cannot fix: a run id the store lacks, refused values, an artifact store this
-    process may not write (permission denied, read-only file system). Outages (refused connections, timeouts,
-    5xx, a locked sqlite file) are not permanent."""
-    if getattr(error, "error_code", None) in PERMANENT_CODES:
-        return True
-    return isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 def retry(call: Callable, grace_s: float, what: str):

@@ -11,7 +11,7 @@ import torch
 from trl import GRPOConfig
 
 from grpo_pipeline.config.schema import TrainConfig
-from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
+from grpo_pipeline.config.validate import vllm_in_runtime
 
 # transformers 5.20 renamed TrainingArguments.gradient_checkpointing to activation_checkpointing; the CPU vLLM
 # stack (make install-vllm) runs 5.19

@@ -90,7 +90,7 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
     """Decide once what the run does on this machine, for this env and data (see the module's doc)."""
     import torch
 
-    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime, weight_sync
+    from grpo_pipeline.config.validate import vllm_in_runtime, weight_sync
 
     choices: list[Choice] = []
     gpu = torch.cuda.is_available() and not cfg.training.use_cpu
@@ -204,7 +204,7 @@ def _gpu(cfg) -> bool:
 
 
 def _refuse_backend_conflicts(cfg, env_name: str, multi_turn: bool, tools: bool, gpu: bool) -> None:
-    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
+    from grpo_pipeline.config.validate import vllm_in_runtime
 
     if multi_turn and tools:
         raise ConfigError(f"{env_name} has both respond() and get_tool_functions(): a multi-turn env runs its tools "

@@ -187,8 +187,6 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
     if vllm.mode == "server" and not gpu:
         p.append("vllm=server needs GPUs: TRL's vLLM server takes the trainer's weights over NCCL, which needs CUDA. "
                  "On a CPU use vllm=colocate, or vllm=off.")
-    from grpo_pipeline.runtime.vllm_backend import vllm_in_runtime
-
     in_runtime = vllm_in_runtime(cfg)
     if in_runtime and world > 1:
         p.append(f"vllm=colocate {'with LoRA' if gpu else 'on a CPU'} runs vLLM inside the one training process; "
@@ -215,6 +213,26 @@ def _vllm_problems(cfg: TrainConfig, world: int) -> list[str]:
         p.append(f"vllm.tensor_parallel_size={vllm.tensor_parallel_size} does not divide the {world} training "
                  "process(es); colocated vLLM shards each model over tensor_parallel_size of them.")
     return p
+
+
+def vllm_in_runtime(cfg, tool_functions: bool = False) -> bool:
+    """vLLM generates inside the runtime (this module) rather than inside TRL: colocated, with a LoRA policy or on a
+    CPU (where TRL's weight push fails). TRL's own vLLM path stays for `vllm=server`, for full fine-tuning on GPUs,
+    and for envs with `get_tool_functions` (TRL's tool loop generates those episodes)."""
+    import torch
+
+    return (cfg.vllm.mode == "colocate" and not tool_functions
+            and (bool(cfg.lora.enabled) or not torch.cuda.is_available()))
+
+
+def weight_sync(cfg) -> str:
+    """vllm.weight_sync, with null resolved: `weights` without LoRA or on a CPU (docs/results.md: vLLM's CPU LoRA
+    kernels cost more per token than a weight push costs per step), `adapter` for LoRA on GPUs."""
+    import torch
+
+    if cfg.vllm.weight_sync is not None:
+        return cfg.vllm.weight_sync
+    return "adapter" if cfg.lora.enabled and torch.cuda.is_available() else "weights"
 
 
 def check_config(cfg: TrainConfig) -> None:

@@ -32,26 +32,6 @@ from grpo_pipeline.config.validate import WEIGHT_SYNCS
 from grpo_pipeline.errors import ConfigError
 
 
-def vllm_in_runtime(cfg, tool_functions: bool = False) -> bool:
-    """vLLM generates inside the runtime (this module) rather than inside TRL: colocated, with a LoRA policy or on a
-    CPU (where TRL's weight push fails). TRL's own vLLM path stays for `vllm=server`, for full fine-tuning on GPUs,
-    and for envs with `get_tool_functions` (TRL's tool loop generates those episodes)."""
-    import torch
-
-    return (cfg.vllm.mode == "colocate" and not tool_functions
-            and (bool(cfg.lora.enabled) or not torch.cuda.is_available()))
-
-
-def weight_sync(cfg) -> str:
-    """vllm.weight_sync, with null resolved: `weights` without LoRA or on a CPU (docs/results.md: vLLM's CPU LoRA
-    kernels cost more per token than a weight push costs per step), `adapter` for LoRA on GPUs."""
-    import torch
-
-    if cfg.vllm.weight_sync is not None:
-        return cfg.vllm.weight_sync
-    return "adapter" if cfg.lora.enabled and torch.cuda.is_available() else "weights"
-
-
 class VllmBackend:
     def __init__(self, model_path: str, *, dtype: str, max_model_len: int, sync: str, lora_rank: int | None,
                  gpu_memory_utilization: float, seed: int):
