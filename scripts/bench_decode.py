@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from grpo_pipeline.runtime.sampler import growing_cache
+from grpo_pipeline.rollout.decode import growing_cache
 
 
 def step_ms(model, rows: int, context: int, repeats: int) -> float:
@@ -62,7 +62,7 @@ def main() -> None:
     from grpo_pipeline.models import load_model, load_tokenizer
     from grpo_pipeline.prompts import render_prompt
     from grpo_pipeline.recipe import load_env_and_dataset
-    from grpo_pipeline.runtime.merged import pack_linears
+    from grpo_pipeline.rollout.policy_copy import pack_linears
 
     cfg = compose_config([])
     tokenizer = load_tokenizer(cfg.model)

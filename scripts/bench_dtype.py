@@ -1,5 +1,5 @@
 """Is the automatic sampling dtype right on this CPU? The default run's training steps with
-`runtime.generation_dtype=null` (the automatic choice, runtime/machine.py) against both forced choices
+`runtime.generation_dtype=null` (the automatic choice, config/machine.py) against both forced choices
 (`float32`, `bfloat16`), side by side in one run: each round trains every variant for --steps steps, in turn,
 starting with another variant each round, after one warm-up training that is not counted; the figure of a
 variant is the median step time over its steps after the first (warm-up) of every round.
@@ -33,9 +33,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from grpo_pipeline import trainer
     from grpo_pipeline.api import train
-    from grpo_pipeline.runtime.machine import cpu_name, sampling_dtype
+    from grpo_pipeline.config.machine import cpu_name, sampling_dtype
+    from grpo_pipeline.training import trainer
 
     seconds: list[float] = []
     original = trainer.PipelineTrainer.training_step

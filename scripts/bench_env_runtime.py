@@ -18,9 +18,9 @@ import torch
 from transformers import TrainerCallback
 
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.models import build_tiny_tokenizer, load_model
 from grpo_pipeline.recipe import train
-from grpo_pipeline.runtime.episodes import EpisodeRunner
 
 
 class SleepyEnv:
@@ -77,7 +77,7 @@ def bench_step_overhead(steps: int, repeats: int, trl_generates: bool = False) -
     from grpo_pipeline.config.grpo_args import build_grpo_config
     from grpo_pipeline.config.schema import register_configs
     from grpo_pipeline.envs.arithmetic import ArithmeticEnv
-    from grpo_pipeline.runtime.episodes import completion_text
+    from grpo_pipeline.envs.runner import completion_text
 
     register_configs()
     tmp = tempfile.mkdtemp()

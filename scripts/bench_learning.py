@@ -26,7 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.recipe import train
-from grpo_pipeline.tracking import default_tracking_uri, metric_history
+from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
 
 def run_seed(seed: int, overrides: list[str], out: Path) -> dict:

@@ -29,7 +29,7 @@ from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.envs.hotel import HotelEnv
 from grpo_pipeline.prompts import render_prompt
 from grpo_pipeline.recipe import train
-from grpo_pipeline.tracking import default_tracking_uri, metric_history
+from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
 
 class FirstTurnHotel(HotelEnv):

@@ -87,10 +87,10 @@ def _row(name: str, seconds: dict[str, float]) -> None:
 
 def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict[str, float]:
     from grpo_pipeline.api import compose_config
+    from grpo_pipeline.envs.runner import EpisodeRunner
     from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.runtime.episodes import EpisodeRunner
-    from grpo_pipeline.runtime.rollout import make_rollout
+    from grpo_pipeline.rollout.turns import make_rollout
 
     runs = {}
     for mode in modes:
@@ -145,7 +145,7 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
 @contextlib.contextmanager
 def _hf_generate(on: bool):
     """With `on`, the runtime's turns sampled by transformers' model.generate instead of its own decode loop."""
-    from grpo_pipeline.runtime import rollout
+    from grpo_pipeline.rollout import turns as rollout
 
     own = rollout.generate
     if on:
@@ -161,7 +161,7 @@ def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefi
     """rollout.generate's contract through model.generate: left-padded batch, the sampled tokens' log-probs from
     generate's raw logits / temperature (as the loop takes them, before top-k/top-p), cut after the first eos. The
     rollout still builds its shared-prefix cache (one prefill of the prefix per rollout), which this ignores."""
-    from grpo_pipeline.runtime.sampler import _cut_at_eos
+    from grpo_pipeline.rollout.decode import _cut_at_eos
 
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -186,7 +186,7 @@ def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefi
 def _step_time(env_name: str, mode: str, steps: int) -> float:
     from grpo_pipeline.api import compose_config
     from grpo_pipeline.recipe import train
-    from grpo_pipeline.tracking import metric_history
+    from grpo_pipeline.tracking.mlflow_run import metric_history
 
     with tempfile.TemporaryDirectory() as tmp:
         db = f"sqlite:///{tmp}/mlflow.db"

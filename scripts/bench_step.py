@@ -4,10 +4,10 @@ On the default model (SmolLM2-135M-Instruct + LoRA r=16), with the prompts of en
 with --env hotel), for a batch of B completions (groups of 4 sharing a prompt):
 
   rollout:  HF `model.generate` on the LoRA model (sampling, output_logits for the log-probs)  vs  the runtime's
-            decode loop (runtime/sampler.py: shared-prefix KV cache, finished rows leave the batch, inverse-CDF
-            sampling) on the merged copy of the policy (runtime/merged.py), as the pipeline runs it
+            decode loop (rollout/decode.py: shared-prefix KV cache, finished rows leave the batch, inverse-CDF
+            sampling) on the merged copy of the policy (rollout/policy_copy.py), as the pipeline runs it
   loss:     forward + backward of the completion log-probs and entropies, TRL's own path  vs  the shared
-            prompt prefix run once (prefix_logps.py)
+            prompt prefix run once (training/prefix_logps.py)
 
 Each figure is the median of --repeats timings after one warm-up; the two sides of a row run alternately.
 
@@ -73,8 +73,8 @@ def _render(tokenizer, prompt) -> str:
 
 
 def _time_rollouts(model, tokenizer, seqs, tokens, repeats):
-    from grpo_pipeline.runtime.merged import MergedCopy
-    from grpo_pipeline.runtime.rollout import SharedPrefix, generate
+    from grpo_pipeline.rollout.policy_copy import MergedCopy
+    from grpo_pipeline.rollout.turns import SharedPrefix, generate
 
     merged = MergedCopy()
     sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -101,7 +101,7 @@ def _time_rollouts(model, tokenizer, seqs, tokens, repeats):
 
 
 def _time_loss(model, seqs, completions, pad_id, repeats):
-    from grpo_pipeline.prefix_logps import per_token_logps, shared_prefix_length
+    from grpo_pipeline.training.prefix_logps import per_token_logps, shared_prefix_length
 
     width, length = max(map(len, seqs)), max(map(len, completions))
     ids = torch.full((len(seqs), width + length), pad_id)

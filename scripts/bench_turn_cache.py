@@ -35,11 +35,11 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     from grpo_pipeline.api import compose_config
+    from grpo_pipeline.envs.runner import EpisodeRunner
     from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.runtime import sampler
-    from grpo_pipeline.runtime.episodes import EpisodeRunner
-    from grpo_pipeline.runtime.rollout import make_rollout
+    from grpo_pipeline.rollout import decode as sampler
+    from grpo_pipeline.rollout.turns import make_rollout
 
     growing = sampler.growing_cache
 
@@ -96,7 +96,7 @@ def main() -> None:
 
 def _count_fed(fed: dict[str, list[int]]):
     """Wrap the rollout's decode to record how many columns each turn feeds (rows x new columns)."""
-    from grpo_pipeline.runtime import rollout as rollout_module
+    from grpo_pipeline.rollout import turns as rollout_module
 
     original = rollout_module.decode
 

@@ -32,11 +32,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     from grpo_pipeline.api import compose_config
-    from grpo_pipeline.check import PASS_KS, pass_at_k
-    from grpo_pipeline.evaluation import generate, split_heldout
+    from grpo_pipeline.envs.runner import EpisodeRunner
+    from grpo_pipeline.evaluation.heldout import generate, split_heldout
     from grpo_pipeline.models import load_model
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.runtime.episodes import EpisodeRunner
+    from grpo_pipeline.tools.doctor import PASS_KS, pass_at_k
 
     cfg = compose_config(args.overrides)
     env, tokenizer, dataset, _ = load_env_and_dataset(cfg)

@@ -26,10 +26,10 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     from grpo_pipeline.api import compose_config
+    from grpo_pipeline.envs.runner import EpisodeRunner
     from grpo_pipeline.models import load_model, lora_target_modules, model_type
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.runtime.episodes import EpisodeRunner
-    from grpo_pipeline.runtime.rollout import generate, make_rollout
+    from grpo_pipeline.rollout.turns import generate, make_rollout
 
     sides = {}
     for side, overrides in (("HF", ["vllm=off"]), ("vLLM", ["vllm=colocate", "vllm.weight_sync=weights"])):

@@ -16,9 +16,12 @@ import functools
 import sys
 import time
 
-from grpo_pipeline import trainer
 from grpo_pipeline.api import train
-from grpo_pipeline.runtime import merged, rollout, sampler, vllm_backend
+from grpo_pipeline.rollout import decode as sampler
+from grpo_pipeline.rollout import policy_copy as merged
+from grpo_pipeline.rollout import turns as rollout
+from grpo_pipeline.rollout import vllm_engine as vllm_backend
+from grpo_pipeline.training import trainer
 
 SECONDS: dict[str, list[float]] = collections.defaultdict(list)
 

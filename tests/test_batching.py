@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.envs.batching import GenerateBatcher
+from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import EnvError
 from grpo_pipeline.models import build_tiny_tokenizer, load_model
-from grpo_pipeline.runtime.batching import GenerateBatcher
-from grpo_pipeline.runtime.episodes import EpisodeRunner
 
 WAIT = 60  # seconds: generous bounds for conditions that hold within milliseconds on an idle machine
 

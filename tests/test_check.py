@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from grpo_pipeline.check import Report, _learnability, best_of_k, flat_share, pass_at_k, run_check
+from grpo_pipeline.tools.doctor import Report, _learnability, best_of_k, flat_share, pass_at_k, run_check
 
 SHRINK = ["model=tiny", "check.num_prompts=2", "generation.max_new_tokens=6", "generation.num_generations=3",
           "training.batch_size=6", "check.num_generations=[2,3]"]
@@ -58,7 +58,7 @@ def run_cli_check(args, cwd):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "grpo_pipeline.check", *args], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "grpo_pipeline.tools.doctor", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 

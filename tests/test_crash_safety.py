@@ -71,7 +71,7 @@ def _wait(condition, proc: subprocess.Popen, what: str, timeout: float = 300) ->
 
 
 def _complete(checkpoint: Path) -> bool:
-    from grpo_pipeline.checkpoints import is_complete
+    from grpo_pipeline.training.checkpoints import is_complete
 
     return is_complete(checkpoint)  # its marker is written once every file of it is on disk
 
@@ -92,7 +92,7 @@ def _printed_step(log: Path, step: int) -> bool:
 
 
 def test_kill9_at_many_moments_then_resume_keeps_every_step_exactly_once(tmp_path):
-    from grpo_pipeline.checkpoints import resumable
+    from grpo_pipeline.training.checkpoints import resumable
 
     project, run_dir = _project(tmp_path)
     ckpt = run_dir / "checkpoints"
@@ -203,7 +203,7 @@ def test_sigterm_saves_a_checkpoint_and_marks_the_run_killed(tmp_path):
 
 @pytest.mark.parametrize("bad", ["garbage", "", '{"run_uid": "r1", "step": 2}'])
 def test_a_checkpoint_counts_only_with_its_own_marker(tmp_path, bad):
-    from grpo_pipeline.checkpoints import MARKER, remove_incomplete, resumable
+    from grpo_pipeline.training.checkpoints import MARKER, remove_incomplete, resumable
 
     for step in (2, 4):
         (tmp_path / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from datasets import Dataset
 
-import grpo_pipeline.trainer as trainer_module
+import grpo_pipeline.training.trainer as trainer_module
 from conftest import tiny_overrides
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.recipe import train
-from grpo_pipeline.trainer import PipelineTrainer
+from grpo_pipeline.training.trainer import PipelineTrainer
 
 
 def _out(advantages: list[float], size: int) -> dict:
@@ -233,7 +233,7 @@ def test_fit_step_counts_gradient_accumulation_and_refuses_what_cannot_fill_a_ge
 # --- adaptive sampling for flat groups (generation.resample_flat) ---------------------------------------------
 
 def test_balanced_keeps_half_above_average_earliest_first_and_tops_up_from_the_other_side():
-    from grpo_pipeline.trainer import balanced
+    from grpo_pipeline.training.trainer import balanced
 
     assert balanced([-0.3, -0.3, -0.3, -0.3, 2.5, -0.3, -0.3, 1.0], 4) == [0, 1, 4, 7]
     assert balanced([-1.0, 3.0, -1.0, -1.0, -1.0, -1.0], 4) == [0, 1, 2, 3]  # one above: three below
@@ -242,7 +242,7 @@ def test_balanced_keeps_half_above_average_earliest_first_and_tops_up_from_the_o
 
 
 def test_concat_outputs_pads_prompts_left_and_completions_right():
-    from grpo_pipeline.trainer import concat_outputs
+    from grpo_pipeline.training.trainer import concat_outputs
 
     a = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
          "completion_ids": torch.tensor([[7]]), "completion_mask": torch.tensor([[1]]),
@@ -300,7 +300,7 @@ def test_flat_groups_below_the_best_are_resampled_and_trained_on_a_balanced_pair
     assert result.steps == 3 and len(seen) == 3
     import json
 
-    from grpo_pipeline.tracking import metric_history
+    from grpo_pipeline.tracking.mlflow_run import metric_history
 
     rows = [json.loads(x) for x in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -338,7 +338,7 @@ class RightOnEvenRowsEnv:
 def test_flat_negative_trains_the_wrong_flat_groups_pushed_down(compose_cfg, tmp_path, monkeypatch):
     import json
 
-    from grpo_pipeline.tracking import metric_history
+    from grpo_pipeline.tracking.mlflow_run import metric_history
 
     seen = []
     original = PipelineTrainer._compute_loss

@@ -11,10 +11,10 @@ from mlflow.tracking import MlflowClient
 
 import grpo_pipeline.recipe as recipe
 from conftest import tiny_overrides
-from grpo_pipeline.callbacks import Diverged
+from grpo_pipeline.envs.runner import score_problem
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.runtime import sampler
-from grpo_pipeline.runtime.episodes import score_problem
+from grpo_pipeline.rollout import decode as sampler
+from grpo_pipeline.training.callbacks import Diverged
 
 
 class _VariedEnv:
@@ -47,7 +47,7 @@ def test_a_diverging_run_stops_with_the_last_finite_weights_kept(compose_cfg, tm
 
 def test_non_finite_metrics_are_counted_not_dropped(tmp_path):
     from grpo_pipeline.config.schema import TrackingConfig
-    from grpo_pipeline.tracking import Tracker
+    from grpo_pipeline.tracking.mlflow_run import Tracker
 
     tracker = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'm.db'}", flush_every_s=0.05), tmp_path)
     tracker.start("t", {}, {})
@@ -117,7 +117,7 @@ def test_env_mistakes_fail_their_episodes_under_the_budget(compose_cfg, tmp_path
                        "runtime.max_failure_rate=0.9", "training.batch_size=8"])
     result = recipe.train(cfg, launch_dir=str(tmp_path), env=_TurnEnv())
     assert result.steps == 2
-    from grpo_pipeline.ledger import read
+    from grpo_pipeline.tracking.ledger import read
 
     train = [e for e in read(tmp_path / "run" / "episodes.jsonl") if e["split"] == "train"]
     failures = {e["row"]["i"]: e["failure"] for e in train if e["failure"]}

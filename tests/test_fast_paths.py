@@ -12,15 +12,15 @@ from trl.trainer.utils import add_fused_lm_head
 
 from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.prefix_logps import (
+from grpo_pipeline.rollout import decode as sampler
+from grpo_pipeline.rollout.turns import SharedPrefix, generate
+from grpo_pipeline.training.prefix_logps import (
     MIN_PREFIX,
     length_groups,
     per_token_logps,
     shared_prefix_length,
     supported,
 )
-from grpo_pipeline.runtime import sampler
-from grpo_pipeline.runtime.rollout import SharedPrefix, generate
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +270,7 @@ def test_shared_prefix_length_leaves_every_row_a_token_and_sees_no_padding():
 
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 def test_merged_copy_generates_like_the_policy_and_is_never_stale(pack):
-    from grpo_pipeline.runtime.merged import MergedCopy, PackedLinear, can_pack
+    from grpo_pipeline.rollout.policy_copy import MergedCopy, PackedLinear, can_pack
 
     if pack and not can_pack():
         pytest.skip("this torch has no oneDNN")
@@ -318,8 +318,8 @@ def test_merged_copy_generates_like_the_policy_and_is_never_stale(pack):
 def test_packed_copy_decodes_the_same_episodes():
     """The runtime's decode loop from a packed copy gives the plain copy's greedy tokens, and sampled tokens with
     log-probs within float32 rounding, on a batch that shrinks as rows end (so the layers see 8 rows down to 1)."""
-    from grpo_pipeline.runtime.merged import MergedCopy, can_pack
-    from grpo_pipeline.runtime.rollout import generate
+    from grpo_pipeline.rollout.policy_copy import MergedCopy, can_pack
+    from grpo_pipeline.rollout.turns import generate
 
     if not can_pack():
         pytest.skip("this torch has no oneDNN")
@@ -374,7 +374,7 @@ def test_merged_copy_of_an_adapted_embedding_keeps_the_tied_head_base(pack):
     """LoRA on the embedding of a model whose LM head is that embedding: in the policy the adapter changes the
     lookup only, and the head reads the base weight; merging writes the delta into the shared tensor, so the copy
     must give its head the base weight apart, and generate as the policy does after every update."""
-    from grpo_pipeline.runtime.merged import MergedCopy, PackedLinear, can_pack
+    from grpo_pipeline.rollout.policy_copy import MergedCopy, PackedLinear, can_pack
 
     if pack and not can_pack():
         pytest.skip("this torch has no oneDNN")

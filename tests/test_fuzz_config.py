@@ -10,7 +10,7 @@ import grpo_pipeline
 import grpo_pipeline.recipe as recipe
 from grpo_pipeline.config.schema import TrainConfig
 from grpo_pipeline.errors import PipelineError
-from grpo_pipeline.translate import translate
+from grpo_pipeline.tools.translate import translate
 
 SECTIONS = ["model", "loss", "vllm", "lora", "reward", "generation", "training", "runtime", "eval", "tracking", "check"]
 
@@ -57,7 +57,7 @@ BAD_TARGETS = [
     ["env._target_=json.JSONDecoder"], ["env=custom", "env._target_=os.path.Nope"],
     ["reward=combined", "reward.components.accuracy._target_=no.such.fn"],
     ["reward=combined", "~reward.components.accuracy._target_"],
-    ["+reward.components.x._target_=grpo_pipeline.reward_presets.nope"],
+    ["+reward.components.x._target_=grpo_pipeline.rewards.assemble.presets.nope"],
     ["+reward.components.x.weight=1"],
 ]
 BAD_KWARGS = [["+env.max_turn=2"], ["+env.difficulty=hard"], ["env=hotel", "+env.num_sample=3"],

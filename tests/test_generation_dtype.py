@@ -12,9 +12,9 @@ from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
 from grpo_pipeline.recipe import train
-from grpo_pipeline.runtime import sampler
-from grpo_pipeline.runtime.merged import MergedCopy
-from grpo_pipeline.trainer import PipelineTrainer
+from grpo_pipeline.rollout import decode as sampler
+from grpo_pipeline.rollout.policy_copy import MergedCopy
+from grpo_pipeline.training.trainer import PipelineTrainer
 
 
 def generation_dtype(cfg, multi_turn: bool = False):
@@ -89,7 +89,7 @@ def test_decode_hands_the_lm_head_a_contiguous_last_state():
 
 def test_default_generation_dtype_follows_what_the_cpu_does(compose_cfg, tmp_path, monkeypatch):
     """oneDNN says bf16 is supported on any AVX-512 CPU; the choice goes by the CPU's flags and a measurement."""
-    from grpo_pipeline.runtime import machine
+    from grpo_pipeline.config import machine
 
     monkeypatch.setenv("GRPO_PIPELINE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
@@ -125,7 +125,7 @@ def test_default_generation_dtype_follows_what_the_cpu_does(compose_cfg, tmp_pat
 def test_the_machine_measurement_is_quick_and_real(tmp_path, monkeypatch):
     import time
 
-    from grpo_pipeline.runtime import machine
+    from grpo_pipeline.config import machine
 
     started = time.perf_counter()
     timing = machine.measure(packed=False)
@@ -151,7 +151,7 @@ def test_loss_ratio_is_against_the_sampler(compose_cfg, tmp_path, monkeypatch, d
     cfg = compose_cfg([*tiny_overrides(tmp_path), f"runtime.generation_dtype={dtype}"])
     result = train(cfg, launch_dir=str(tmp_path))
     assert result.steps == 2 and len(seen) == 2
-    from grpo_pipeline.tracking import metric_history
+    from grpo_pipeline.tracking.mlflow_run import metric_history
 
     gap = metric_history(f"sqlite:///{tmp_path / 'mlflow.db'}", result.mlflow_run_id,
                          "sampling/sampling_logp_difference/mean")
@@ -165,7 +165,7 @@ def test_loss_ratio_is_against_the_sampler(compose_cfg, tmp_path, monkeypatch, d
 
 def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatch):
     from grpo_pipeline.config import plan
-    from grpo_pipeline.runtime import merged
+    from grpo_pipeline.rollout import policy_copy as merged
 
     def packed_generation(cfg):
         return plan.packed_generation(cfg)[0]

@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_pipeline.rewards.assemble.presets import accuracy, extract_answer, length_penalty, step
 from mlflow.tracking import MlflowClient
 
 from conftest import tiny_overrides
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.launch import plan
 from grpo_pipeline.recipe import train
-from grpo_pipeline.reward_presets import accuracy, extract_answer, length_penalty, step
+from grpo_pipeline.tools.launch import plan
 
 LOSSES = sorted(p.stem for p in (CONFIG_DIR / "loss").glob("*.yaml"))
 
@@ -121,7 +121,7 @@ def test_vllm_server_plan_errors(gpus, server, tp, expected):
 
 
 def test_launcher_dry_run_prints_commands(capsys):
-    from grpo_pipeline.launch import main
+    from grpo_pipeline.tools.launch import main
 
     main(["--num-gpus", "8", "--dry-run", "model=deepseek_r1_distill_qwen_1_5b", "vllm.server_gpus=2"])
     out = capsys.readouterr().out

@@ -80,7 +80,7 @@ def test_entropy_bonus_and_adaptive_control_map_onto_trl(compose_cfg, tmp_path):
 def test_the_weight_push_hides_only_the_rotary_embeddings_warning():
     import logging
 
-    from grpo_pipeline.runtime.vllm_backend import _no_rotary_warning
+    from grpo_pipeline.rollout.vllm_engine import _no_rotary_warning
 
     def record(*args):
         return logging.LogRecord("vllm", logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", args, None)
@@ -93,11 +93,11 @@ def test_another_trl_minor_fails_at_import_with_the_tested_one_named():
     import subprocess
     import sys
 
-    code = "import trl; trl.__version__ = '1.17.0'; import grpo_pipeline.trainer"
+    code = "import trl; trl.__version__ = '1.17.0'; import grpo_pipeline.training.trainer"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "grpo_pipeline needs TRL 1.16.x, and TRL 1.17.0 is installed" in done.stderr
     assert "pip install 'trl>=1.16,<1.17'" in done.stderr
-    from grpo_pipeline.trainer import check_trl
+    from grpo_pipeline.training.trainer import check_trl
 
     check_trl("1.16.3")  # any patch release of the tested minor

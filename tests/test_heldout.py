@@ -17,9 +17,9 @@ from grpo_pipeline.config.schema import EvalConfig
 from grpo_pipeline.envs.arithmetic import ArithmeticEnv
 from grpo_pipeline.envs.hotel import HotelEnv
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.evaluation import paired_gain, split_heldout
+from grpo_pipeline.evaluation.best_model import trainable_state
+from grpo_pipeline.evaluation.heldout import paired_gain, split_heldout
 from grpo_pipeline.models import build_tiny_tokenizer
-from grpo_pipeline.validation import trainable_state
 
 
 def _prompts(ds) -> set[str]:
@@ -143,7 +143,7 @@ def test_a_best_step_within_the_margin_of_the_last_leaves_model_the_last_weights
 
 
 def test_a_resumed_run_reports_its_gain_against_the_first_starts_test_scores(compose_cfg, tmp_path):
-    from grpo_pipeline.ledger import read
+    from grpo_pipeline.tracking.ledger import read
 
     overrides = [*_validated(tmp_path), "training.save_steps=1"]
     first = recipe.train(compose_cfg([*overrides, "training.max_steps=1"]), launch_dir=str(tmp_path), env=VariedEnv())
@@ -232,7 +232,7 @@ def test_the_held_out_gain_and_its_standard_error_reach_the_summary_and_mlflow(c
     assert summary["eval_after"]["gain"] == pytest.approx(gain, abs=1e-4) == result.eval_after["gain"]
     assert summary["eval_after"]["gain_se"] == pytest.approx(se, abs=1e-4) and se > 0
     assert "scores" not in summary["eval_before"] and "scores" not in summary["eval_after"]  # per prompt: the ledger's
-    from grpo_pipeline.tracking import metric_history
+    from grpo_pipeline.tracking.mlflow_run import metric_history
 
     logged = metric_history(f"sqlite:///{tmp_path}/mlflow.db", result.mlflow_run_id, "eval_after/gain_se")
     assert logged == [pytest.approx(se, abs=1e-4)]

@@ -1,5 +1,5 @@
 """The episode ledger: every training and held-out episode of a run in episodes.jsonl and an MLflow table,
-read back by `grpo_pipeline.episodes`, re-scored by `grpo_pipeline.rescore` without weights."""
+read back by `grpo_pipeline.tools.episodes`, re-scored by `grpo_pipeline.tools.rescore` without weights."""
 
 import json
 import statistics
@@ -11,9 +11,9 @@ from mlflow.tracking import MlflowClient
 import grpo_pipeline.models as models
 import grpo_pipeline.recipe as recipe
 from conftest import tiny_overrides
-from grpo_pipeline import episodes, rescore
-from grpo_pipeline.ledger import Ledger, read
 from grpo_pipeline.models import build_tiny_tokenizer
+from grpo_pipeline.tools import episodes, rescore
+from grpo_pipeline.tracking.ledger import Ledger, read
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_the_read_only_tools_do_not_import_from_the_working_directory(finished_r
 
     run_dir, _ = finished_run
     (tmp_path / "statistics.py").write_text("raise ImportError('the working directory shadowed the stdlib')\n")
-    done = subprocess.run([sys.executable, "-m", "grpo_pipeline.episodes", str(run_dir / "run")], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-m", "grpo_pipeline.tools.episodes", str(run_dir / "run")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "train" in done.stdout

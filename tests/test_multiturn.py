@@ -11,9 +11,9 @@ import grpo_pipeline.recipe as recipe
 from conftest import tiny_overrides
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
 from grpo_pipeline.envs.hotel import HotelEnv
+from grpo_pipeline.envs.runner import GREEDY, EpisodeRunner
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.runtime.episodes import GREEDY, EpisodeRunner
-from grpo_pipeline.runtime.rollout import Rollout, SharedPrefix, generate
+from grpo_pipeline.rollout.turns import Rollout, SharedPrefix, generate
 
 SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
 
@@ -117,7 +117,7 @@ def test_each_turn_continues_from_the_episodes_kv_cache(tiny, monkeypatch):
     """Turn k+1 feeds only what turn k's cache lacks (its last token, the env's reply), and gives the tokens
     and log-probs a full prefill gives: also for rows that ended early (tokens sampled after their eos sit in
     the cache, masked) and rows cut by the turn limit."""
-    import grpo_pipeline.runtime.rollout as rollout_module
+    import grpo_pipeline.rollout.turns as rollout_module
 
     fed = []
     decode = rollout_module.decode
@@ -164,7 +164,7 @@ def test_a_failing_respond_fails_its_own_episode_only(tiny):
 
 
 def test_training_trains_every_assistant_turn_and_masks_the_env(compose_cfg, tmp_path, monkeypatch):
-    from grpo_pipeline.trainer import PipelineTrainer
+    from grpo_pipeline.training.trainer import PipelineTrainer
 
     seen = []
     original = PipelineTrainer._generate_and_score_completions
@@ -191,7 +191,7 @@ def test_training_trains_every_assistant_turn_and_masks_the_env(compose_cfg, tmp
     metrics = client.get_run(result.mlflow_run_id).data.metrics
     assert metrics["env/turns_mean"] == 3 and metrics["env/env_tokens_mean"] > 0
     # the episode ledger has every turn of every training and held-out episode
-    from grpo_pipeline.ledger import read
+    from grpo_pipeline.tracking.ledger import read
 
     entries = read(tmp_path / "run" / "episodes.jsonl")
     train = [e for e in entries if e["split"] == "train"]
@@ -231,7 +231,7 @@ def test_a_multi_turn_run_resumes_from_its_checkpoint(compose_cfg, tmp_path):
     assert resumed.steps == 3 and resumed.mlflow_run_id == first.mlflow_run_id
     from mlflow.tracking import MlflowClient
 
-    from grpo_pipeline.ledger import read
+    from grpo_pipeline.tracking.ledger import read
 
     history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(resumed.mlflow_run_id,
                                                                                      "env/turns_mean")

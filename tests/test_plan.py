@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import run_cli, tiny_overrides
 from grpo_pipeline import recipe
-from grpo_pipeline.runtime import machine
+from grpo_pipeline.config import machine
 
 FOUR_ROWS = ("from datasets import Dataset\nclass Four:\n    def build_dataset(self, tokenizer):\n"
              "        return Dataset.from_list([{'prompt': f'Say {i}'} for i in range(4)])\n"

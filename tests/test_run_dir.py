@@ -12,9 +12,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.checkpoints import MARKER
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.run_dir import claim, config_changes, resume_overrides
+from grpo_pipeline.training.checkpoints import MARKER
+from grpo_pipeline.training.run_dir import claim, config_changes, resume_overrides
 
 # Scores 0.25 with marker=b (0.75 otherwise): the reward curve shows which env config each step ran. With
 # STOP_AT_EPISODE set (the first start only), the env sends the process SIGINT once, as Ctrl-C would.
@@ -159,7 +159,7 @@ def test_resume_overrides_keep_the_runs_own_and_let_the_command_win():
 
 
 def test_the_stop_message_names_the_launch_dir_and_python(tmp_path):
-    from grpo_pipeline.run_dir import resume_command, write_record
+    from grpo_pipeline.training.run_dir import resume_command, write_record
 
     write_record(tmp_path, ["+env.api_key=sk-abcdef12", "loss=grpo"], "/some/project", None, None)
     command = resume_command(tmp_path)
@@ -182,7 +182,7 @@ def test_a_resume_falls_back_when_the_newest_checkpoint_fails_to_load(tmp_path):
 
 
 def test_outputs_are_replaced_whole_or_not_at_all(tmp_path):
-    from grpo_pipeline.checkpoints import replace_dir_durably, write_durably
+    from grpo_pipeline.training.checkpoints import replace_dir_durably, write_durably
 
     target = tmp_path / "model"
     replace_dir_durably(target, lambda d: (d.mkdir(), (d / "w.bin").write_text("old")))
@@ -202,7 +202,7 @@ def test_outputs_are_replaced_whole_or_not_at_all(tmp_path):
 
 
 def test_best_keeps_only_the_weights_that_can_still_be_chosen(tmp_path):
-    from grpo_pipeline.validation import Validation
+    from grpo_pipeline.evaluation.best_model import Validation
 
     best = tmp_path / "best"
     best.mkdir()

@@ -11,8 +11,8 @@ from hydra.errors import ConfigCompositionException
 
 from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.config.validate import config_problems
+from grpo_pipeline.envs.runner import EpisodeAbandoned, EpisodeRunner, completion_text
 from grpo_pipeline.errors import EnvError
-from grpo_pipeline.runtime.episodes import EpisodeAbandoned, EpisodeRunner, completion_text
 
 WAIT = 60  # seconds: generous bounds for conditions that hold within milliseconds on an idle machine
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
@@ -429,7 +429,7 @@ def test_env_threads_sharing_the_fast_tokenizer_get_their_own_settings():
 
 
 def test_the_shared_tokenizer_runs_one_call_at_a_time():
-    from grpo_pipeline.runtime.shared_tokenizer import SharedTokenizer
+    from grpo_pipeline.envs.shared_tokenizer import SharedTokenizer
 
     class Slow:
         inside = most = 0

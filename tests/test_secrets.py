@@ -9,7 +9,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.redact import mask_secrets
+from grpo_pipeline.tracking.redact import mask_secrets
 
 SECRET = "s3cr@t"  # a password that itself contains "@"
 KEY = "sk-live-7Hq2"  # given plainly
@@ -118,7 +118,7 @@ def test_a_failing_constructor_names_the_kwarg_not_its_value(tmp_path):
 def test_secret_keys_and_values(monkeypatch):
     from omegaconf import OmegaConf
 
-    from grpo_pipeline import redact
+    from grpo_pipeline.tracking.mlflow_run import redact
 
     monkeypatch.setattr(redact, "_PATTERNS", [])
 

@@ -28,7 +28,7 @@ def test_default_model_short_run_gets_credit_from_the_start(tmp_path, monkeypatc
 
 
 def test_doctor_is_quiet_on_arithmetic_with_the_default_model(compose_cfg, tmp_path):
-    from grpo_pipeline.check import run_check
+    from grpo_pipeline.tools.doctor import run_check
 
     report = run_check(compose_cfg([f"output_dir={tmp_path}"]))
     text = report.text()

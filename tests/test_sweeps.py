@@ -17,9 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.compare import main as compare_main
 from grpo_pipeline.config import CONFIG_DIR
-from grpo_pipeline.sweep import swept_keys
+from grpo_pipeline.tools.compare import main as compare_main
+from grpo_pipeline.tracking.sweep import swept_keys
 
 TINY = ["model=tiny", "env.num_samples=16", "training.max_steps=2", "eval.enabled=false",
         "generation.max_new_tokens=4", "training.batch_size=4"]
@@ -302,7 +302,7 @@ def test_optuna_study_where_every_trial_fails_closes_the_parent(tmp_path):
 
 
 def test_error_line():
-    from grpo_pipeline.sweep import error_line
+    from grpo_pipeline.tracking.sweep import error_line
 
     try:
         raise RuntimeError("boom")
@@ -319,7 +319,7 @@ def test_error_line():
 
 
 def test_bootstrap_interval_on_known_data():
-    from grpo_pipeline.compare import bootstrap_mean, welch_difference
+    from grpo_pipeline.tools.compare import bootstrap_mean, welch_difference
 
     assert bootstrap_mean([0.3, 0.3, 0.3]) == (0.3, 0.3, 0.3)  # no spread, no interval
     mean, low, high = bootstrap_mean([1.0, 2.0, 3.0])

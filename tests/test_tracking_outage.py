@@ -156,7 +156,7 @@ def test_a_server_down_past_the_grace_period_stops_with_a_checkpoint_then_resume
 def test_a_permanent_store_error_is_not_retried_for_the_grace_period():
     import errno
 
-    from grpo_pipeline.tracking import TrackingError, retry
+    from grpo_pipeline.tracking.mlflow_run import TrackingError, retry
 
     calls = []
 
@@ -172,7 +172,7 @@ def test_a_permanent_store_error_is_not_retried_for_the_grace_period():
 
 def test_resuming_into_a_store_that_lacks_the_run_says_which_store_at_once(tmp_path):
     from grpo_pipeline.config.schema import TrackingConfig
-    from grpo_pipeline.tracking import Tracker, TrackingError
+    from grpo_pipeline.tracking.mlflow_run import Tracker, TrackingError
 
     tracker = Tracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'other.db'}", outage_grace_s=600), tmp_path)
     started = time.monotonic()
@@ -204,11 +204,10 @@ def test_an_artifact_store_failing_at_the_end_keeps_the_run_finished_with_its_ou
 
 
 def test_a_run_gone_from_the_store_fails_the_writer_at_once_not_after_the_grace_period():
+    from grpo_pipeline.tracking.mlflow_run.metric_writer import MetricWriter
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
-
-    from grpo_pipeline.metric_writer import MetricWriter
 
     class Gone:
         def log_batch(self, run_id, metrics):

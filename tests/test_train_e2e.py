@@ -175,7 +175,7 @@ def test_hotel_env_trains_on_tiny(compose_cfg, tmp_path):
 
 
 def test_credentials_in_urls_are_not_logged_as_params():
-    from grpo_pipeline.tracking import flatten
+    from grpo_pipeline.tracking.mlflow_run import flatten
 
     params = flatten({"tracking": {"tracking_uri": "https://alice:s3cret@mlflow.example.com"},
                       "vllm": {"server_base_url": "http://tok@10.0.0.1:8000"}, "loss": {"kl_coef": 0.1}})
@@ -187,9 +187,9 @@ def test_the_run_says_how_long_it_will_take_after_its_first_steps(compose_cfg, t
     import logging
 
     from grpo_pipeline import recipe
-    from grpo_pipeline.callbacks import estimate
+    from grpo_pipeline.training.callbacks import estimate
 
-    with caplog.at_level(logging.WARNING, logger="grpo_pipeline.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="grpo_pipeline.training.callbacks"):
         recipe.train(compose_cfg([*tiny_overrides(tmp_path), "training.max_steps=5"]), launch_dir=str(tmp_path))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Run length:")]
     assert len(lines) == 1 and "3 steps took a median" in lines[0] and "the remaining 2 step(s) take" in lines[0]

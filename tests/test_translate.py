@@ -3,7 +3,7 @@
 import pytest
 
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.translate import translate
+from grpo_pipeline.tools.translate import translate
 
 FULL = ["--train", "--trainer", "grpo", "--model", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
         "--rl-env-module", "my_envs.hotel_env", "--rl-env-class", "HotelEnv",

@@ -32,7 +32,7 @@ SAMPLING = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 def engine(request):
     from peft import LoraConfig, get_peft_model
 
-    from grpo_pipeline.runtime.vllm_backend import VllmBackend
+    from grpo_pipeline.rollout.vllm_engine import VllmBackend
 
     cfg = compose_config([])
     tokenizer = load_tokenizer(cfg.model)

@@ -1,5 +1,6 @@
 """`python -m grpo_pipeline [group=option ...] [key=value ...]`: one Hydra job = one GRPO run.
 `--plan` prints the run plan (what the run would decide for this machine, model, env and data) and runs nothing.
+`python -m grpo_pipeline check|compare|episodes|rescore|launch|translate ...` runs a tool (grpo_pipeline/tools/).
 
 A PipelineError (bad config, broken env) ends the job with its one-paragraph message and exit code 2;
 set GRPO_PIPELINE_TRACEBACK=1 to see the Python traceback too.
@@ -22,7 +23,7 @@ from omegaconf import DictConfig
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.errors import PipelineError
-from grpo_pipeline.redact import (
+from grpo_pipeline.tracking.redact import (
     mask_secrets,
     redact_hydra_files,
     redact_log_records,
@@ -32,12 +33,15 @@ from grpo_pipeline.redact import (
 
 register_configs()
 PLAN_ONLY = False  # --plan
+# the tools around training, as subcommands: `python -m grpo_pipeline <name> ...` (or grpo-pipeline <name> ...)
+TOOLS = {"check": "doctor", "compare": "compare", "episodes": "episodes", "rescore": "rescore", "launch": "launch",
+         "translate": "translate"}
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from grpo_pipeline.config.validate import check_config
-    from grpo_pipeline.sweep import sweep_job
+    from grpo_pipeline.tracking.sweep import sweep_job
 
     hydra_cfg = HydraConfig.get()
     register_config(cfg)  # secret values and what ${oc.env:...} resolves to: masked in everything written
@@ -60,7 +64,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         result = train(cfg, launch_dir=hydra.utils.get_original_cwd(), overrides=overrides, tags=tags)
     except (Exception, KeyboardInterrupt) as e:
         if hydra_cfg.mode == RunMode.MULTIRUN:  # a FAILED child run and the sweep goes on; a signal stops it
-            from grpo_pipeline.sweep import job_failed
+            from grpo_pipeline.tracking.sweep import job_failed
 
             return job_failed(cfg, e)
         if not isinstance(e, PipelineError) or os.environ.get("GRPO_PIPELINE_TRACEBACK"):
@@ -78,7 +82,7 @@ def _resumed(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[st
     """resume=<run dir>: the run's own overrides, then this command's (run_dir.resume_overrides)."""
     from hydra import compose
 
-    from grpo_pipeline.run_dir import read_record, resume_overrides
+    from grpo_pipeline.training.run_dir import read_record, resume_overrides
 
     record = read_record(cfg.resume)
     if record is None:  # not a run dir of this version: the recipe says what is wrong with it
@@ -93,10 +97,13 @@ def _resumed(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, list[st
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "translate":  # grpo-pipeline translate [--run] -- <other CLI's flags>
-        from grpo_pipeline.translate import main as translate_main
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:  # python -m grpo_pipeline check|rescore|... (grpo_pipeline/tools/)
+        import importlib
 
-        translate_main(sys.argv[2:])
+        name = sys.argv.pop(1)
+        tool = importlib.import_module(f"grpo_pipeline.tools.{TOOLS[name]}")
+        sys.argv[0] = f"grpo-pipeline {name}"
+        tool.main(sys.argv[1:]) if name != "check" else tool.main()
         return
     global PLAN_ONLY
     if "--plan" in sys.argv[1:]:  # print the run plan (config/plan.py), run nothing

@@ -34,7 +34,7 @@ def compose_config(overrides: list[str] | None = None, config_dir: str | Path | 
         overrides.append(f"hydra.searchpath=[file://{Path(config_dir).resolve()}]")
     resume = next((o.partition("=")[2] for o in overrides if o.startswith("resume=")), None)
     if resume not in (None, "auto", "null"):  # the run's own overrides, then these (run_dir.resume_overrides)
-        from grpo_pipeline.run_dir import read_record, resume_overrides
+        from grpo_pipeline.training.run_dir import read_record, resume_overrides
 
         record = read_record(resume)
         if record is not None:

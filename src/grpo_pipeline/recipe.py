@@ -21,15 +21,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from grpo_pipeline.callbacks import Diverged, DivergenceGuard, RunLogger, StopControl, finite
-from grpo_pipeline.checkpoints import (
-    RUN_ID_FILE,
-    CheckpointMarker,
-    TrainingStopped,
-    first_loadable,
-    remove_incomplete,
-    replace_dir_durably,
-)
 from grpo_pipeline.config.plan import PLAN_FILE, make_plan
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.envs.loader import (
@@ -39,18 +30,33 @@ from grpo_pipeline.envs.loader import (
     importable_from,
     load_env,
 )
+from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.evaluation import Split, evaluate, paired_gain, split_heldout
-from grpo_pipeline.ledger import heldout_scores
+from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
 from grpo_pipeline.prompts import attach_tools
-from grpo_pipeline.redact import mask_override, masked_config, redact_log_records, register_config
-from grpo_pipeline.rewards import build_rewards
-from grpo_pipeline.run_dir import check_changes, claim, record_changes, resume_command, write_record
-from grpo_pipeline.run_outputs import RunResult, description, log_eval, run_name, write_outputs
-from grpo_pipeline.runtime.episodes import EpisodeRunner
-from grpo_pipeline.runtime.rollout import make_rollout
-from grpo_pipeline.tracking import Tracker, TrackingError, flatten
+from grpo_pipeline.rewards.assemble import build_rewards
+from grpo_pipeline.rollout.turns import make_rollout
+from grpo_pipeline.tracking.ledger import heldout_scores
+from grpo_pipeline.tracking.mlflow_run import Tracker, TrackingError, flatten
+from grpo_pipeline.tracking.mlflow_run.outputs import (
+    RunResult,
+    description,
+    log_eval,
+    run_name,
+    write_outputs,
+)
+from grpo_pipeline.tracking.redact import mask_override, masked_config, redact_log_records, register_config
+from grpo_pipeline.training.callbacks import Diverged, DivergenceGuard, RunLogger, StopControl, finite
+from grpo_pipeline.training.checkpoints import (
+    RUN_ID_FILE,
+    CheckpointMarker,
+    TrainingStopped,
+    first_loadable,
+    remove_incomplete,
+    replace_dir_durably,
+)
+from grpo_pipeline.training.run_dir import check_changes, claim, record_changes, resume_command, write_record
 
 log = logging.getLogger(__name__)
 UNSENT_FILE = "metrics_unsent.jsonl"  # metrics a store that stayed down never got
@@ -114,8 +120,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     try:
         stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
         _open_run(given, plan, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
+        ledger = _open_ledger(cfg, run_dir, tokenizer, checkpoint) if is_main else None
         trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
-                                 tool_functions, rollout, extra_columns, plan)
+                                 tool_functions, rollout, extra_columns, ledger)
         trainer.add_callback(CheckpointMarker(run_uid, cfg.training.save_total_limit))
         trainer.add_callback(guard)
         if checkpoint is not None and is_main:
@@ -123,8 +130,6 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         policy = trainer.accelerator.unwrap_model(trainer.model)
         runner.bind(policy)
         eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
-        ledger = _open_ledger(cfg, run_dir, tokenizer, checkpoint) if is_main else None
-        trainer.ledger, trainer.record_episodes = ledger, bool(cfg.ledger.enabled)
 
         def score(dataset, split_name: str, step: int) -> dict:
             result = evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,
@@ -288,11 +293,10 @@ def _open_run(cfg, plan, tracker, run_dir, checkpoint, env_name, overrides, tags
 
 
 def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,
-                   extra_columns, plan):
+                   extra_columns, ledger):
     from transformers.trainer_callback import PrinterCallback
 
-    from grpo_pipeline import prefix_logps
-    from grpo_pipeline.trainer import PipelineTrainer, rollout_func
+    from grpo_pipeline.training.trainer import PipelineTrainer, rollout_func
 
     model = load_model(cfg.model, tokenizer)
     peft_config = None
@@ -301,6 +305,7 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
 
         peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                  target_modules=lora_targets, task_type="CAUSAL_LM")
+    dynamic = cfg.generation.oversample > 1 or cfg.generation.resample_flat
     trainer = PipelineTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -311,18 +316,15 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         callbacks=[RunLogger(tracker)],
         tools=tools or None,
         rollout_func=rollout_func(rollout, sampling(cfg.generation), extra_columns) if rollout else None,
+        shared_prefix_loss=cfg.training.shared_prefix_loss,
+        train_completions=cfg.training.batch_size if dynamic else None,
+        resample_flat=cfg.generation.resample_flat if dynamic else 0,
+        flat_negative=cfg.generation.flat_negative if dynamic else 0.0,
+        rollout=rollout,
+        ledger=ledger,
+        record_episodes=bool(cfg.ledger.enabled),
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
-    trainer.shared_prefix_loss = cfg.training.shared_prefix_loss and prefix_logps.supported(trainer.model)
-    if cfg.generation.oversample > 1 or cfg.generation.resample_flat:
-        trainer.train_completions = cfg.training.batch_size
-        trainer.resample_flat = cfg.generation.resample_flat
-        trainer.flat_negative = cfg.generation.flat_negative
-    if rollout is not None and rollout.uses_vllm and plan.weight_sync == "adapter":
-        trainer.correct_sampler_mismatch()  # vLLM's LoRA kernels: TRL's correction, one more forward a step
-    elif rollout is not None and (rollout.uses_vllm or (rollout.sampler is not None
-                                                        and rollout.sampler.differs(trainer.model))):
-        trainer.behaviour_logps = True  # vLLM with the policy's own weights, or a copy in another dtype
     return trainer
 
 
@@ -330,7 +332,7 @@ def _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, 
     """The validation callback (main process only), restored from the checkpoint on resume."""
     if split.val is None or cfg.eval.every_steps <= 0 or not is_main:
         return None
-    from grpo_pipeline.validation import Validation
+    from grpo_pipeline.evaluation.best_model import Validation
 
     best_dir = run_dir / "best" if cfg.eval.keep_best else None
     validation = Validation(lambda: score(split.val, "val", trainer.state.global_step), cfg.eval.every_steps,
@@ -347,7 +349,7 @@ def _open_ledger(cfg, run_dir: Path, tokenizer, checkpoint: Path | None):
     """The episode ledger; a resumed run first drops the lines of steps after its checkpoint."""
     if not cfg.ledger.enabled:
         return None
-    from grpo_pipeline.ledger import Ledger
+    from grpo_pipeline.tracking.ledger import Ledger
 
     ledger = Ledger(run_dir, tokenizer, cfg.ledger.max_per_step, cfg.ledger.max_chars, cfg.seed)
     if checkpoint is not None:

@@ -58,7 +58,7 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "bf16": train.bf16,
         CHECKPOINTING: train.activation_checkpointing,
         "use_cpu": use_cpu,
-        # logging and saving: metrics go to MLflow through our own callback (tracking.py)
+        # logging and saving: metrics go to MLflow through our own callback (tracking/mlflow_run.py)
         "logging_steps": train.logging_steps,
         "logging_nan_inf_filter": False,  # a NaN loss is logged as NaN (DivergenceGuard stops), not averaged away
         "save_strategy": "steps" if train.save_steps > 0 else "no",

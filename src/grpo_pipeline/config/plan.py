@@ -1,7 +1,7 @@
 """The run plan: every "null = choose for me" decision of a run, made once, before weights load.
 
 `make_plan` looks at the config, the env (does it have `respond`, tool functions, its own turn limits), the
-machine (GPU or CPU, what its CPU does fast: runtime/machine.py) and the data (how many training prompts, the
+machine (GPU or CPU, what its CPU does fast: config/machine.py) and the data (how many training prompts, the
 held-out split) and decides, with the reason for each:
 - which backend generates: the runtime's decode loop, the runtime through vLLM, TRL, or TRL's vLLM / tool loop;
 - the sampling copy: merged or not, its dtype, prepacked weights, vLLM's weight sync;
@@ -79,7 +79,7 @@ class RunPlan:
         return data
 
     def write(self, run_dir: Path) -> Path:
-        from grpo_pipeline.checkpoints import write_durably
+        from grpo_pipeline.training.checkpoints import write_durably
 
         path = Path(run_dir) / PLAN_FILE
         write_durably(path, json.dumps(self.as_dict(), indent=2, default=str))
@@ -160,9 +160,9 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
 def generation_dtype(cfg, multi_turn: bool = False, gpu: bool | None = None,
                      packed: bool | None = None) -> tuple[str | None, str]:
     """(the sampling copy's dtype, or None for the model's own; why). null: bfloat16 for a single-turn env's float32
-    model on a CPU where bf16 matmuls measure faster (runtime/machine.py); the model's own otherwise (a multi-turn
+    model on a CPU where bf16 matmuls measure faster (config/machine.py); the model's own otherwise (a multi-turn
     env=hotel step measured slower in bf16, cause not found)."""
-    from grpo_pipeline.runtime import machine
+    from grpo_pipeline.config import machine
 
     gpu = _gpu(cfg) if gpu is None else gpu
     name = cfg.runtime.generation_dtype
@@ -182,7 +182,7 @@ def generation_dtype(cfg, multi_turn: bool = False, gpu: bool | None = None,
 
 def packed_generation(cfg, gpu: bool | None = None) -> tuple[bool, str]:
     """runtime.packed_generation resolved, and why: null packs where the copies run float32 on a CPU with oneDNN."""
-    from grpo_pipeline.runtime.merged import can_pack
+    from grpo_pipeline.rollout.policy_copy import can_pack
 
     cpu = not (_gpu(cfg) if gpu is None else gpu)
     possible = cpu and cfg.model.dtype == "float32" and can_pack()

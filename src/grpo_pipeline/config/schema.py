@@ -241,7 +241,7 @@ class EvalConfig:
 
 @dataclass
 class CheckConfig:
-    # The env doctor (python -m grpo_pipeline.check): num_prompts prompts, each answered max(num_generations)
+    # The env doctor (python -m grpo_pipeline check): num_prompts prompts, each answered max(num_generations)
     # times; the share of flat groups (no reward spread) is estimated for every group size listed.
     num_prompts: int = 4
     num_generations: list[int] = field(default_factory=lambda: [2, 4, 8])
@@ -266,7 +266,7 @@ class TrackingConfig:
     # this many seconds does the run stop, with a checkpoint saved and the resume command printed.
     outage_grace_s: float = 600.0
     # Config keys (globs, e.g. "env.*_url") whose values are secrets, besides those whose names contain key, token,
-    # secret, password, passwd or credential; and ${oc.env:...} values. Masked in everything written (redact.py).
+    # secret, password, passwd or credential; and ${oc.env:...} values. Masked in everything written (tracking/redact.py).
     secret_keys: list[str] = field(default_factory=list)
 
 
@@ -290,7 +290,7 @@ class TrainConfig:
     output_dir: str = MISSING
     # null: a new run | auto: continue output_dir from its latest checkpoint, if any |
     # <run dir>: continue that earlier run (same MLflow run) from its latest checkpoint, with its own config
-    # (the overrides it was started with, then this command's; see run_dir.py).
+    # (the overrides it was started with, then this command's; see training/run_dir.py).
     resume: str | None = None
     # Keys (globs) a resume may change although they change what a step computes, e.g. [loss.kl_coef]; each
     # change is recorded with its step. Safe keys (training.max_steps, ...) need no opt-in.

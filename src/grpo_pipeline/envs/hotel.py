@@ -3,7 +3,7 @@
 The guest asks for a room (city, guests, price cap, wished features). The assistant calls
 `search_rooms` and `book_room` by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (parsed with json, never executed as code). The env owns the conversation, the runtime the generation
-(runtime/rollout.py): after each assistant turn, `respond` runs its tool calls and returns the results
+(rollout/turns.py): after each assistant turn, `respond` runs its tool calls and returns the results
 (or the guest's nudge when it called none), and the episode ends at a booking or after `max_turns`
 assistant turns. Every assistant turn is trained; the env's turns are masked out of the loss.
 `score_episode` reads the whole transcript. Score, from the first booking:
@@ -160,7 +160,7 @@ class HotelEnv:
         ] + [f in room["features"] for f in request["features"]]
         return sum(checks), len(checks)
 
-    # --- the episode (the runtime generates the assistant's turns; see runtime/rollout.py) ---------------
+    # --- the episode (the runtime generates the assistant's turns; see rollout/turns.py) ---------------
     def respond(self, messages: list[dict], request: dict, **_) -> dict | None:
         """The env's reply to the assistant's last turn: the results of its tool calls, a nudge when it called
         none (or wrote a malformed call), or None once it has booked a room (the episode is over)."""

@@ -30,7 +30,7 @@ from typing import Any
 from datasets import Dataset
 
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.redact import MASK, is_secret_key, looks_secret, mask_secrets
+from grpo_pipeline.tracking.redact import MASK, is_secret_key, looks_secret, mask_secrets
 
 REQUIRED_METHODS = ("build_dataset", "score_episode")
 # Dataset columns reach score_episode (and TRL's reward functions) as keyword arguments: these names are taken by

@@ -18,7 +18,7 @@ import torch
 from transformers.trainer_callback import ProgressCallback, TrainerCallback
 
 from grpo_pipeline.errors import PipelineError
-from grpo_pipeline.tracking import Tracker, numeric
+from grpo_pipeline.tracking.mlflow_run import Tracker, numeric
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.checkpoints import write_durably
-from grpo_pipeline.redact import mask_override, mask_secrets
-from grpo_pipeline.tracking import Tracker, TrackingError
+from grpo_pipeline.tracking.mlflow_run import Tracker, TrackingError
+from grpo_pipeline.tracking.redact import mask_override, mask_secrets
+from grpo_pipeline.training.checkpoints import write_durably
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool 
 
 
 def write_outputs(result: RunResult, run_dir: Path, tracker: Tracker) -> None:
-    from grpo_pipeline.plots import plot_rewards
+    from grpo_pipeline.tracking.plots import plot_rewards
 
     write_durably(run_dir / "summary.json", mask_secrets(json.dumps(result.summary(), indent=2)))
     if result.rewards:

@@ -1,4 +1,4 @@
-"""The env doctor: `python -m grpo_pipeline.check env=hotel [model=...] [check.num_prompts=8]`.
+"""The env doctor: `python -m grpo_pipeline check env=hotel [model=...] [check.num_prompts=8]`.
 
 Validates and instantiates the env, builds its dataset, samples max(`check.num_generations`) completions
 for `check.num_prompts` prompts with the configured model and sampling settings, scores them through the
@@ -16,8 +16,8 @@ Exit code 0: the env works (warnings may remain); 1: episodes fail, time out or 
 scores; 2: the config or env cannot even be loaded.
 """
 
-if __name__ == "__main__":  # before anything else is imported (launch_path.py)
-    from grpo_pipeline.launch_path import drop_launch_dir
+if __name__ == "__main__":  # before anything else is imported (tools/launch_path.py)
+    from grpo_pipeline.tools.launch_path import drop_launch_dir
 
     drop_launch_dir()
 
@@ -59,12 +59,12 @@ def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.config.plan import make_plan
     from grpo_pipeline.config.validate import check_config
     from grpo_pipeline.envs.loader import get_tool_schemas
-    from grpo_pipeline.evaluation import Split, generate
+    from grpo_pipeline.envs.runner import EpisodeRunner, score_problem
+    from grpo_pipeline.evaluation.heldout import Split, generate
     from grpo_pipeline.models import load_model
     from grpo_pipeline.prompts import render_prompt
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.runtime.episodes import EpisodeRunner, score_problem
-    from grpo_pipeline.runtime.rollout import make_rollout
+    from grpo_pipeline.rollout.turns import make_rollout
 
     check_config(cfg)
     env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
@@ -214,10 +214,10 @@ def _reach(r: Report, complete: list[list]) -> None:
 
 class Scorer:
     """Scores arbitrary completions exactly as training does: the env (through the runtime) times
-    reward.env_weight plus every reward component times its weight. (The doctor's probes; rescore.py.)"""
+    reward.env_weight plus every reward component times its weight. (The doctor's probes; tools/rescore.py.)"""
 
     def __init__(self, cfg: DictConfig, runner, tokenizer, columns: list[str], multi_turn: bool):
-        from grpo_pipeline.rewards import build_rewards
+        from grpo_pipeline.rewards.assemble import build_rewards
 
         funcs, weights = build_rewards(cfg.reward, lambda **_: None, columns)
         env_on = cfg.reward.env_weight > 0
@@ -232,7 +232,7 @@ class Scorer:
         if env_values is None and self.env_weight == 0:
             env_values, errors = [0.0] * len(items), [None] * len(items)
         elif env_values is None:
-            from grpo_pipeline.runtime.episodes import score_problem
+            from grpo_pipeline.envs.runner import score_problem
 
             episodes = self.runner.run_episodes(items, rows)
             errors = ["timed out" if ep.timed_out else f"{ep.error.__class__.__name__}: {ep.error}"
@@ -241,7 +241,7 @@ class Scorer:
             env_values = [None if error else float(ep.value) for ep, error in zip(episodes, errors, strict=True)]
         else:
             errors = [None if v is not None else "failed" for v in env_values]
-        from grpo_pipeline.runtime.episodes import completion_text
+        from grpo_pipeline.envs.runner import completion_text
 
         texts = [completion_text(x) for x in items]  # a transcript's assistant turns, as the rollout joins them
         parts = [{"env": v} for v in env_values]
@@ -273,7 +273,7 @@ class Prober(Scorer):
         """Score the first few scored completions again: a reward must give the same completion the same score."""
         again = [i for i, v in enumerate(values) if v is not None][:8]
         episodes = self.runner.run_episodes([items[i] for i in again], [rows[i] for i in again])
-        from grpo_pipeline.runtime.episodes import completion_text
+        from grpo_pipeline.envs.runner import completion_text
 
         differ = [(i, values[i], ep.value) for i, ep in zip(again, episodes, strict=True)
                   if ep.error is None and not ep.timed_out and ep.value != values[i]]
@@ -400,5 +400,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     sys.exit(1 if report.broken else 0)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """`python -m grpo_pipeline check [overrides]`: Hydra reads the overrides from sys.argv."""
     _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """Compare runs: a table sorted by a metric and a PNG overlaying their reward curves.
 
-    python -m grpo_pipeline.compare <sweep parent run id | experiment name> [--metric reward] [--out DIR]
+    python -m grpo_pipeline compare <sweep parent run id | experiment name> [--metric reward] [--out DIR]
         [--tracking-uri sqlite:///outputs/mlflow.db]
 
 Given a sweep's parent run id, it compares that sweep's jobs; given an experiment name, all its runs.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from grpo_pipeline.redact import mask_secrets
-from grpo_pipeline.tracking import default_tracking_uri
+from grpo_pipeline.tracking.mlflow_run import default_tracking_uri
+from grpo_pipeline.tracking.redact import mask_secrets
 
 COLUMNS = ("run", "status", "final reward", "held-out after", "gain", "gain se", "kl", "wall s", "error")
 

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo_pipeline.envs.batching import GenerateBatcher
 from grpo_pipeline.errors import EnvError
-from grpo_pipeline.runtime.batching import GenerateBatcher
 
 log = logging.getLogger(__name__)
 

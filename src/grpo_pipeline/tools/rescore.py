@@ -1,8 +1,8 @@
 """Score a finished run's recorded completions again, with another reward or env config, without
 generating (and without loading weights).
 
-    python -m grpo_pipeline.rescore <run dir> reward=length_penalty
-    python -m grpo_pipeline.rescore <run dir> reward=env env.format_weight=0.0 --split train
+    python -m grpo_pipeline rescore <run dir> reward=length_penalty
+    python -m grpo_pipeline rescore <run dir> reward=env env.format_weight=0.0 --split train
 
 The run's config (its resolved_config.yaml) with the overrides applied (a group choice like
 `reward=length_penalty` takes conf/reward/length_penalty.yaml; a dotted key sets one value) builds the
@@ -15,8 +15,8 @@ An env whose `score_episode` calls the model cannot be re-scored without weights
 counted as failed, with the reason.
 """
 
-if __name__ == "__main__":  # before anything else is imported (launch_path.py)
-    from grpo_pipeline.launch_path import drop_launch_dir
+if __name__ == "__main__":  # before anything else is imported (tools/launch_path.py)
+    from grpo_pipeline.tools.launch_path import drop_launch_dir
 
     drop_launch_dir()
 
@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import TrainConfig
-from grpo_pipeline.episodes import SPLIT_ORDER, by_step, load
+from grpo_pipeline.tools.episodes import SPLIT_ORDER, by_step, load
 
 
 class NoWeights:
@@ -80,10 +80,10 @@ def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
 
 def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tuple[list[dict], list[dict]]:
     """(entries, new scores): for each ledger entry {"reward": new total, "parts": {...}, "error": str|None}."""
-    from grpo_pipeline.check import Scorer
     from grpo_pipeline.envs.loader import importable_from, load_env
+    from grpo_pipeline.envs.runner import EpisodeRunner
     from grpo_pipeline.models import load_tokenizer
-    from grpo_pipeline.runtime.episodes import EpisodeRunner
+    from grpo_pipeline.tools.doctor import Scorer
 
     cfg = run_config(run_dir, overrides)
     entries = [e for e in load(str(run_dir)) if (split is None or e["split"] == split) and not e.get("truncated")]
@@ -115,7 +115,7 @@ def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tu
 def _announce_imports(run_dir: Path, cfg: DictConfig) -> str:
     """A run dir is code: its config names classes and functions that rescoring imports and runs. Say which, and
     from where (the launch dir the run recorded in run.json, else the working directory), before importing."""
-    from grpo_pipeline.run_dir import read_record
+    from grpo_pipeline.training.run_dir import read_record
 
     record = read_record(run_dir) or {}
     launch_dir = record.get("launch_dir") or str(Path.cwd())

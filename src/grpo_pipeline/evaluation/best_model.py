@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
-from grpo_pipeline.checkpoints import fsync_file
-from grpo_pipeline.evaluation import paired_gain
+from grpo_pipeline.evaluation.heldout import paired_gain
+from grpo_pipeline.training.checkpoints import fsync_file
 
 log = logging.getLogger(__name__)
 PREFIX = "eval_val"

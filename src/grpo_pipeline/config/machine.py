@@ -99,7 +99,7 @@ def bf16_timing(packed: bool) -> dict:
 
 def measure(packed: bool, budget_s: float = 0.12) -> dict:
     """Time the linear layers of a decode step in float32 (as the runtime runs it) and in bf16, interleaved."""
-    from grpo_pipeline.runtime.merged import PackedLinear
+    from grpo_pipeline.rollout.policy_copy import PackedLinear
 
     hidden, inter, layers, rows = _SHAPE
     gen = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ component needs (checked at startup).
 
 import re
 
-from grpo_pipeline.runtime.episodes import completion_text
+from grpo_pipeline.envs.runner import completion_text
 
 _TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _FINAL = re.compile(r"final answer\s*[:：]\s*(\S+)", re.IGNORECASE)

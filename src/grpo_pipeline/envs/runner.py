@@ -28,12 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_pipeline.config.schema import RuntimeConfig
+from grpo_pipeline.envs.batching import GenerateBatcher
+from grpo_pipeline.envs.bounded import Episode, run_bounded
+from grpo_pipeline.envs.failures import FailureBudget, fill_failed_with_group_mean
+from grpo_pipeline.envs.policy import EpisodeAbandoned, InFlight, PolicyHandle
+from grpo_pipeline.envs.shared_tokenizer import shared
 from grpo_pipeline.errors import EnvError
-from grpo_pipeline.runtime.batching import GenerateBatcher
-from grpo_pipeline.runtime.bounded import Episode, run_bounded
-from grpo_pipeline.runtime.failures import FailureBudget, fill_failed_with_group_mean
-from grpo_pipeline.runtime.policy import EpisodeAbandoned, InFlight, PolicyHandle
-from grpo_pipeline.runtime.shared_tokenizer import shared
 
 GREEDY = {"do_sample": False}
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from grpo_pipeline.checkpoints import MARKER, RUN_ID_FILE, foreign, resumable, step_of, write_durably
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.redact import MASK, mask_override
+from grpo_pipeline.tracking.redact import MASK, mask_override
+from grpo_pipeline.training.checkpoints import MARKER, RUN_ID_FILE, foreign, resumable, step_of, write_durably
 
 log = logging.getLogger(__name__)
 RUN_FILE = "run.json"

@@ -14,10 +14,10 @@ import torch
 import trl
 from trl import GRPOTrainer
 
-from grpo_pipeline import prefix_logps
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
-from grpo_pipeline.runtime.episodes import as_real
-from grpo_pipeline.runtime.rollout import Rollout
+from grpo_pipeline.envs.runner import as_real
+from grpo_pipeline.rollout.turns import Rollout
+from grpo_pipeline.training import prefix_logps
 
 TESTED_TRL = "1.16"  # PipelineTrainer overrides private GRPOTrainer methods: the minor version it was tested on
 
@@ -41,7 +41,7 @@ REWARD_TIE = 1e-6  # rewards of a group within this of each other: the group is 
 class PipelineTrainer(GRPOTrainer):
     current_rows: list[dict] = []
     record_episodes = False  # the episode ledger is on (set on every process: rows are gathered from all)
-    ledger = None  # the episode ledger (ledger.py), main process only
+    ledger = None  # the episode ledger (tracking/ledger.py), main process only
     shared_prefix_loss = False  # training.shared_prefix_loss and a model it is exact for (prefix_logps.supported)
     train_completions: int | None = None  # dynamic sampling (generation.oversample > 1): completions trained per step
     resample_flat = 0  # generation.resample_flat: more samples for a flat group below the batch's best
@@ -50,6 +50,25 @@ class PipelineTrainer(GRPOTrainer):
     # weights (vllm.weight_sync=weights): the sampled tokens' log-probs are the behaviour policy's
     behaviour_logps = False
     _loss_logps = None  # the trainer's log-probs of the batch being trained (for sampling/* metrics)
+
+    def __init__(self, *args, shared_prefix_loss: bool = False, train_completions: int | None = None,
+                 resample_flat: int = 0, flat_negative: float = 0.0, rollout: Rollout | None = None,
+                 ledger=None, record_episodes: bool = False, **kwargs):
+        """GRPOTrainer's arguments, plus the pipeline's: `shared_prefix_loss` (training.shared_prefix_loss; on only
+        for a model it is exact for), dynamic sampling (`train_completions`: completions trained per step when more
+        are sampled; `resample_flat`, `flat_negative`), the runtime's `rollout` (how its samples relate to the
+        policy: the log-probs of a copy in another dtype or of vLLM are the behaviour policy's; vLLM's LoRA kernels
+        get TRL's importance-sampling correction) and the episode ledger (`ledger` on the main process;
+        `record_episodes` on every process, rows are gathered from all)."""
+        super().__init__(*args, **kwargs)
+        self.shared_prefix_loss = shared_prefix_loss and prefix_logps.supported(self.model)
+        self.train_completions, self.resample_flat, self.flat_negative = train_completions, resample_flat, flat_negative
+        self.ledger, self.record_episodes = ledger, record_episodes
+        if rollout is not None and rollout.uses_vllm and rollout.vllm_sync == "adapter":
+            self.correct_sampler_mismatch()  # vLLM's LoRA kernels: TRL's correction, one more forward a step
+        elif rollout is not None and (rollout.uses_vllm or (rollout.sampler is not None
+                                                            and rollout.sampler.differs(self.model))):
+            self.behaviour_logps = True  # vLLM with the policy's own weights, or a copy in another dtype
 
     def correct_sampler_mismatch(self) -> None:
         """Rollouts come from the runtime's vLLM engine serving the adapter through its LoRA kernels
@@ -357,7 +376,7 @@ def concat_outputs(a: dict, b: dict, pad_id: int) -> dict:
 
 
 class _RuntimeSyncsWeights:
-    def sync_weights(self) -> None:  # TRL calls this before each rollout; runtime/vllm_backend.py already synced
+    def sync_weights(self) -> None:  # TRL calls this before each rollout; rollout/vllm_engine.py already synced
         pass
 
 

@@ -14,9 +14,9 @@ import torch
 from datasets import Dataset
 
 from grpo_pipeline.config.schema import EvalConfig
+from grpo_pipeline.envs.runner import GREEDY, EpisodeRunner
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import render_prompt
-from grpo_pipeline.runtime.episodes import GREEDY, EpisodeRunner
 
 log = logging.getLogger(__name__)
 # a test set of 50 prompts misjudged the default run's gain: its base score was 0.528, 0.430 on 400 fresh sums

@@ -1,15 +1,15 @@
-"""Read a run's episode ledger (`<run dir>/episodes.jsonl`, see ledger.py).
+"""Read a run's episode ledger (`<run dir>/episodes.jsonl`, see tracking/ledger.py).
 
-    python -m grpo_pipeline.episodes <run dir>                         # per split and step: n, mean reward, failures
-    python -m grpo_pipeline.episodes <run dir> --show [--split train] [--steps 3:7] [--min-score 0.5]
+    python -m grpo_pipeline episodes <run dir>                         # per split and step: n, mean reward, failures
+    python -m grpo_pipeline episodes <run dir> --show [--split train] [--steps 3:7] [--min-score 0.5]
                                               [--max-score 0.2] [--failures] [--limit 20] [--full]
-    python -m grpo_pipeline.episodes <run dir> --prompt <prompt id>   # one prompt's completions, first vs last step
+    python -m grpo_pipeline episodes <run dir> --prompt <prompt id>   # one prompt's completions, first vs last step
 
 Prompt ids are in every listing (the same prompt has the same id in every run).
 """
 
-if __name__ == "__main__":  # before anything else is imported (launch_path.py)
-    from grpo_pipeline.launch_path import drop_launch_dir
+if __name__ == "__main__":  # before anything else is imported (tools/launch_path.py)
+    from grpo_pipeline.tools.launch_path import drop_launch_dir
 
     drop_launch_dir()
 
@@ -19,7 +19,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grpo_pipeline.ledger import FILE, read
+from grpo_pipeline.tracking.ledger import FILE, read
 
 SPLIT_ORDER = {"test_before": 0, "train": 1, "val": 2, "test_after": 3}
 

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 
-from grpo_pipeline.redact import mask_secrets
+from grpo_pipeline.tracking.redact import mask_secrets
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch

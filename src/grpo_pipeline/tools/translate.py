@@ -153,7 +153,7 @@ def main(argv: list[str]) -> None:
         overrides = translate(flags)
     except ConfigError as e:
         sys.exit(f"ERROR: {e}")
-    from grpo_pipeline.redact import mask_override, register_overrides
+    from grpo_pipeline.tracking.redact import mask_override, register_overrides
 
     register_overrides(overrides)  # --rl-env-config '{"api_key": ...}': printed masked, run with the real value
     command = [sys.executable, "-m", "grpo_pipeline", *overrides]

@@ -19,7 +19,7 @@ How the policy reaches vLLM before every rollout (`vllm.weight_sync`), so vLLM n
 
 vLLM's log-probs differ a little from the trainer's (other kernels). With `weights` the loss takes them as the
 behaviour policy's (PPO's ratio over what really sampled, no extra forward); with `adapter` TRL's importance-sampling
-correction for vLLM rollouts is switched on (recipe.py, trainer.py). `sampling/sampling_logp_difference/*` shows the gap.
+correction for vLLM rollouts is switched on (recipe.py, training/trainer.py). `sampling/sampling_logp_difference/*` shows the gap.
 """
 
 import logging
@@ -37,7 +37,7 @@ class VllmBackend:
                  gpu_memory_utilization: float, seed: int):
         import torch
 
-        from grpo_pipeline.runtime.merged import MergedCopy
+        from grpo_pipeline.rollout.policy_copy import MergedCopy
 
         threads = torch.get_num_threads()
         # the engine in this process: no IPC per step, and the weight push hands it tensors, not copies

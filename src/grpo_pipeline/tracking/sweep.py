@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from grpo_pipeline.redact import mask_override, mask_secrets, redact_log_records, register_overrides
+from grpo_pipeline.tracking.redact import mask_override, mask_secrets, redact_log_records, register_overrides
 
 log = logging.getLogger(__name__)
 PARENT_FILE = "sweep_parent_run_id"
@@ -46,7 +46,7 @@ class SweepInterrupted(KeyboardInterrupt):
 
 
 def _client_and_experiment(config: DictConfig):
-    from grpo_pipeline.tracking import Tracker
+    from grpo_pipeline.tracking.mlflow_run import Tracker
 
     tracker = Tracker(config.tracking, os.getcwd())
     return tracker.client, tracker.experiment_id
@@ -94,7 +94,7 @@ def error_line(error: BaseException) -> str:
 
 def _stop_exit_code(error: BaseException) -> int | None:
     """128 + the signal number when `error` means SIGINT/SIGTERM stopped the job, else None."""
-    from grpo_pipeline.checkpoints import TrainingStopped
+    from grpo_pipeline.training.checkpoints import TrainingStopped
 
     if isinstance(error, TrainingStopped) and getattr(error, "exit_code", 0) > 128:  # 3: tracking gave up
         return error.exit_code
@@ -132,7 +132,7 @@ def _record_failure(cfg: DictConfig, parent_id: str, overrides: list[str], error
     recipe made one (bad config, broken env)."""
     from mlflow.entities import Param
 
-    from grpo_pipeline.checkpoints import RUN_ID_FILE
+    from grpo_pipeline.training.checkpoints import RUN_ID_FILE
 
     client, experiment_id = _client_and_experiment(cfg)
     id_file = Path(cfg.output_dir) / RUN_ID_FILE
@@ -200,7 +200,7 @@ class SweepCallback(Callback):
 
     def _finish(self, status: str) -> list[dict]:
         """Compare the jobs, log the table and plot to the parent, close it; once."""
-        from grpo_pipeline.compare import compare
+        from grpo_pipeline.tools.compare import compare
 
         parent_id, self.parent_id = self.parent_id, None
         client, _ = _client_and_experiment(self._config)

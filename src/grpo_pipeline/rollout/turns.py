@@ -30,9 +30,9 @@ from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
-from grpo_pipeline.runtime.merged import MergedCopy
-from grpo_pipeline.runtime.sampler import RowCache, cached_rows, decode, expand_cache
-from grpo_pipeline.runtime.vllm_backend import VllmBackend
+from grpo_pipeline.rollout.decode import RowCache, cached_rows, decode, expand_cache
+from grpo_pipeline.rollout.policy_copy import MergedCopy
+from grpo_pipeline.rollout.vllm_engine import VllmBackend
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +74,18 @@ def make_rollout(cfg, plan, env, tokenizer, runner) -> "Rollout | None":
                                gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.seed)
     return Rollout(env, tokenizer, runner, max_turns=plan.max_turns, turn_tokens=plan.turn_tokens,
                    max_episode_tokens=plan.max_episode_tokens, tools=tools, merged_generation=plan.merged_generation,
-                   sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation)
+                   sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation, vllm_sync=plan.weight_sync)
 
 
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
                  sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True,
-                 packed: bool = False):
+                 packed: bool = False, vllm_sync: str | None = None):
         self.env, self.runner = env, runner
+        self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
         self.tokenizer = getattr(runner, "tokenizer", None) or tokenizer  # the env threads' shared one
-        # what generates when vLLM does not (runtime/merged.py): greedy episodes (held-out evaluation) the merged
+        # what generates when vLLM does not (rollout/policy_copy.py): greedy episodes (held-out evaluation) the merged
         # copy in the policy's dtype, so that they score the weights trained; sampled ones the copy in sampling_dtype
         # `packed`: float32 copies hold their linear weights prepacked for oneDNN (merged.PackedLinear; a copy in
         # another dtype stays unpacked)

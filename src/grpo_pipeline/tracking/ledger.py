@@ -10,7 +10,7 @@ generated for; held-out: the step evaluated), `prompt_id` (sha1 of the prompt, 1
 prompt has the same id in every run), `prompt` (as the model saw it), `completion` (a multi-turn episode:
 every turn, `[role] content` per message; `messages` has them as a list), `reward` (the total GRPO saw), `rewards` (each component),
 `advantage` (train), `row` (the env's extra columns), `seconds` (scoring), `failure` (first line of the
-error, or null). Read it with `python -m grpo_pipeline.episodes <run dir>`.
+error, or null). Read it with `python -m grpo_pipeline episodes <run dir>`.
 """
 
 import hashlib
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.redact import mask_secrets
+from grpo_pipeline.tracking.redact import mask_secrets
 
 FILE = "episodes.jsonl"
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Ledger:
                seconds: list | None = None, failures: list | None = None, transcripts: bool = False) -> None:
         """One batch. `completions`: texts (or TRL's chat completions); with `transcripts`, a multi-turn
         episode's messages after the opening each (kept as `messages` too, for rescoring)."""
-        from grpo_pipeline.runtime.episodes import completion_text
+        from grpo_pipeline.envs.runner import completion_text
 
         started = time.monotonic()
         ids = [prompt_id(p) for p in prompts]

@@ -24,7 +24,7 @@ import copy
 
 import torch
 
-from grpo_pipeline.runtime.sampler import CACHE_KWARG
+from grpo_pipeline.rollout.decode import CACHE_KWARG
 
 MIN_PREFIX = 16
 

@@ -1,7 +1,7 @@
 """Launch vLLM server mode: TRL's vLLM server on dedicated GPUs, training on the rest.
 
-    python -m grpo_pipeline.launch --num-gpus 8 --dry-run -- model=deepseek_r1_distill_qwen_1_5b vllm=server vllm.server_gpus=2
-    python -m grpo_pipeline.launch -- vllm=server vllm.server_gpus=2      # run: start server, wait, train, stop
+    python -m grpo_pipeline launch --num-gpus 8 --dry-run -- model=deepseek_r1_distill_qwen_1_5b vllm=server vllm.server_gpus=2
+    python -m grpo_pipeline launch -- vllm=server vllm.server_gpus=2      # run: start server, wait, train, stop
 
 With 8 GPUs and vllm.server_gpus=2: `trl vllm-serve` runs on GPUs 0,1 (tensor_parallel_size x
 data-parallel = 2) and `accelerate launch --num_processes 6 -m grpo_pipeline ...` trains on GPUs 2-7.
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                  cfg.vllm.server_host, cfg.vllm.server_port, overrides)
     except ConfigError as e:
         sys.exit(f"ERROR: {e}")
-    from grpo_pipeline.redact import mask_secrets, register_overrides
+    from grpo_pipeline.tracking.redact import mask_secrets, register_overrides
 
     register_overrides(overrides)
     print(mask_secrets(p.shell()))

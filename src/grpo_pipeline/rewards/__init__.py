@@ -1,0 +1,1 @@
+"""Reward assembly (the env's score plus components) and the tutorial presets."""

@@ -1,0 +1,1 @@
+"""The command-line tools around training: the env doctor, compare, episodes, rescore, launch, translate."""

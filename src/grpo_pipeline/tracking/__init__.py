@@ -1,0 +1,1 @@
+"""What a run records: the MLflow run and its metric writer, the ledger, outputs, plots, redaction, sweeps."""
