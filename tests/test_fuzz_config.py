@@ -57,7 +57,7 @@ BAD_TARGETS = [
     ["env._target_=json.JSONDecoder"], ["env=custom", "env._target_=os.path.Nope"],
     ["reward=combined", "reward.components.accuracy._target_=no.such.fn"],
     ["reward=combined", "~reward.components.accuracy._target_"],
-    ["+reward.components.x._target_=grpo_pipeline.rewards.assemble.presets.nope"],
+    ["+reward.components.x._target_=grpo_pipeline.rewards.presets.nope"],
     ["+reward.components.x.weight=1"],
 ]
 BAD_KWARGS = [["+env.max_turn=2"], ["+env.difficulty=hard"], ["env=hotel", "+env.num_sample=3"],

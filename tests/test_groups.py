@@ -4,13 +4,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_pipeline.rewards.assemble.presets import accuracy, extract_answer, length_penalty, step
 from mlflow.tracking import MlflowClient
 
 from conftest import tiny_overrides
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.recipe import train
+from grpo_pipeline.rewards.presets import accuracy, extract_answer, length_penalty, step
 from grpo_pipeline.tools.launch import plan
 
 LOSSES = sorted(p.stem for p in (CONFIG_DIR / "loss").glob("*.yaml"))

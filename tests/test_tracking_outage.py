@@ -204,10 +204,11 @@ def test_an_artifact_store_failing_at_the_end_keeps_the_run_finished_with_its_ou
 
 
 def test_a_run_gone_from_the_store_fails_the_writer_at_once_not_after_the_grace_period():
-    from grpo_pipeline.tracking.mlflow_run.metric_writer import MetricWriter
     from mlflow.entities import Metric
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    from grpo_pipeline.tracking.metric_writer import MetricWriter
 
     class Gone:
         def log_batch(self, run_id, metrics):

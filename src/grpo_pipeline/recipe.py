@@ -39,7 +39,7 @@ from grpo_pipeline.rewards.assemble import build_rewards
 from grpo_pipeline.rollout.turns import make_rollout
 from grpo_pipeline.tracking.ledger import heldout_scores
 from grpo_pipeline.tracking.mlflow_run import Tracker, TrackingError, flatten
-from grpo_pipeline.tracking.mlflow_run.outputs import (
+from grpo_pipeline.tracking.outputs import (
     RunResult,
     description,
     log_eval,

@@ -23,7 +23,7 @@ from typing import Any
 
 from grpo_pipeline.config.schema import TrackingConfig
 from grpo_pipeline.errors import ConfigError, PipelineError
-from grpo_pipeline.tracking.mlflow_run.metric_writer import permanent
+from grpo_pipeline.tracking.metric_writer import permanent
 from grpo_pipeline.tracking.redact import mask_secrets
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class Tracker:
 
     # --- internals --------------------------------------------------------------------------------
     def _start_writer(self) -> None:
-        from grpo_pipeline.tracking.mlflow_run.metric_writer import MetricWriter
+        from grpo_pipeline.tracking.metric_writer import MetricWriter
 
         self.writer = MetricWriter(self.client, self.run_id, self.cfg.flush_every_s, self.cfg.outage_grace_s)
 
