@@ -78,12 +78,12 @@ def _gone(pid: int, timeout: float = 30) -> bool:
 def launcher(tmp_path):
     (tmp_path / "server.py").write_text(SERVER)
     (tmp_path / "train.py").write_text(TRAIN)
-    (tmp_path / "tools/launch.py").write_text(LAUNCH)
+    (tmp_path / "launch.py").write_text(LAUNCH)
     port = _free_port()
     started = []
 
     def start():
-        proc = subprocess.Popen([sys.executable, str(tmp_path / "tools/launch.py"), str(port), str(tmp_path)],
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "launch.py"), str(port), str(tmp_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         started.append(proc)
         _wait_for(tmp_path / "train_pid")  # the server answered and training runs
@@ -122,12 +122,12 @@ def test_the_server_and_the_training_die_with_a_killed_launcher(launcher):
 
 
 def test_a_port_already_served_is_refused_before_anything_starts(tmp_path):
-    (tmp_path / "tools/launch.py").write_text(LAUNCH)
+    (tmp_path / "launch.py").write_text(LAUNCH)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, str(tmp_path / "tools/launch.py"), str(port), str(tmp_path)],
+        done = subprocess.run([sys.executable, str(tmp_path / "launch.py"), str(port), str(tmp_path)],
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and f"something already listens on 127.0.0.1:{port}" in done.stderr
     assert not (tmp_path / "server_pid").exists()

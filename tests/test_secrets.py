@@ -118,7 +118,7 @@ def test_a_failing_constructor_names_the_kwarg_not_its_value(tmp_path):
 def test_secret_keys_and_values(monkeypatch):
     from omegaconf import OmegaConf
 
-    from grpo_pipeline.tracking.mlflow_run import redact
+    from grpo_pipeline.tracking import redact
 
     monkeypatch.setattr(redact, "_PATTERNS", [])
 
