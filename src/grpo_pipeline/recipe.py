@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,66 @@ __all__ = ["RunResult", "train", "load_env_and_dataset"]
 def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] | None = None,
           env: Any = None, tags: dict[str, str] | None = None) -> RunResult:
     """Run one GRPO training. `env` may be an env class or instance (instead of `env._target_`)."""
+    run = prepare(cfg, launch_dir, overrides, env, tags)  # no weights, no MLflow run: a bad config fails in seconds
+    with Bookkeeping(run) as book:  # FAILED/KILLED, model-interrupted/, unsent metrics, signals
+        _open_run(run)
+        ledger = _open_ledger(run)
+        trainer = book.trainer = _build_trainer(run, ledger, [CheckpointMarker(run.uid, run.cfg.training.save_total_limit),
+                                                             book.guard])
+        score, validation = _evaluation(run, trainer, ledger, book.stop)
+        eval_before = _eval_before(run, score)
+        train_seconds = _fit(run, trainer, book.stop, validation)
+        model_path = _save_models(run, trainer, validation) if run.cfg.training.save_model else None
+        if book.stop.signum is not None:  # training was over: keep the model, skip the rest
+            raise TrainingStopped(f"Stopped by signal {book.stop.signum} after training; the trained model is in "
+                                  f"{model_path}.", 128 + book.stop.signum)
+        eval_after = _eval_after(run, score, trainer, eval_before, ledger)
+        _save_merged(run, trainer, model_path)
+        result = _result(run, trainer, model_path, eval_before, eval_after, train_seconds, validation, book.stop)
+        return book.finished(result, ledger)
+
+
+@dataclass
+class Run:
+    """What `prepare` decided before any weights load: every later stage takes this, not ten parameters."""
+
+    cfg: DictConfig  # the run's config: the plan applied (the step fitted to the data)
+    given: DictConfig  # the config as given: resolved_config.yaml and the MLflow params
+    plan: Any
+    env: Any
+    env_name: str
+    tokenizer: Any
+    split: Split
+    runner: EpisodeRunner
+    rollout: Any  # None: TRL generates
+    tool_functions: list
+    extra_columns: list[str]
+    reward_funcs: list
+    grpo_config: Any
+    lora_targets: Any
+    tracker: Tracker
+    run_dir: Path
+    record: dict | None  # run.json of the run dir (a resume), else None
+    checkpoint: Path | None  # the checkpoint a resume continues from
+    changes: dict  # config keys a resume changed (resume_allow)
+    uid: str
+    is_main: bool
+    launch_dir: str
+    overrides: list[str]
+    tags: dict[str, str]
+    started: float = field(default_factory=time.monotonic)
+    startup_seconds: float = 0.0  # from the start to the first training step
+
+
+def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] | None = None,
+            env: Any = None, tags: dict[str, str] | None = None) -> Run:
+    """Everything that can be checked and decided without weights: the config, the run dir's claim, the env and
+    its dataset, the plan, the rollout, the rewards and TRL's arguments."""
     started = time.monotonic()
     redact_log_records()
     register_config(cfg)  # secret values are masked in everything the run writes; the env gets the real ones
     launch_dir = launch_dir or os.getcwd()
     is_main = int(os.environ.get("RANK", "0")) == 0
-
-    # 1. Everything that can be checked without weights.
     check_config(cfg)
     run_dir = Path(cfg.output_dir if cfg.resume in (None, "auto") else cfg.resume)
     record, checkpoints = claim(run_dir, cfg.resume, main=is_main)  # one run per run dir; only its own checkpoints
@@ -89,10 +143,9 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
     if is_main:
         log.warning("%s", plan.table())
     given, cfg = cfg, plan.applied(cfg)  # the run's config: the step fitted to the data; the one given is kept
-    gen = cfg.generation
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(gen),
-                           group_size=gen.num_generations)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(cfg.generation),
+                           group_size=cfg.generation.num_generations)
     rollout = make_rollout(cfg, plan, env, tokenizer, runner)  # None: TRL generates
     if rollout is not None and rollout.multi_turn:
         rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn
@@ -110,109 +163,150 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
                                     use_vllm=not plan.runtime_generates and cfg.vllm.mode != "off")
     tracker = Tracker(cfg.tracking, launch_dir, enabled=is_main,
                       uri=(record or {}).get("tracking_uri"))  # a resume writes to the store the run started in
-    run_uid = record["uid"] if record else uuid.uuid4().hex[:12]
+    return Run(cfg=cfg, given=given, plan=plan, env=env, env_name=env_name, tokenizer=tokenizer, split=split,
+               runner=runner, rollout=rollout, tool_functions=tool_functions, extra_columns=extra_columns,
+               reward_funcs=reward_funcs, grpo_config=grpo_config, lora_targets=lora_targets, tracker=tracker,
+               run_dir=run_dir, record=record, checkpoint=checkpoint, changes=changes,
+               uid=record["uid"] if record else uuid.uuid4().hex[:12], is_main=is_main, launch_dir=launch_dir,
+               overrides=list(overrides or []), tags=dict(tags or {}), started=started)
 
-    # 2. The run.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = None
-    stop = StopControl(tracker, max_minutes=cfg.training.max_minutes)
-    guard = DivergenceGuard(cfg.training.learning_rate)
-    try:
-        stop.install()  # from here on SIGINT/SIGTERM end the run cleanly (after the current step, in training)
-        _open_run(given, plan, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid, launch_dir)
-        ledger = _open_ledger(cfg, run_dir, tokenizer, checkpoint) if is_main else None
-        trainer = _build_trainer(cfg, tokenizer, split.train, reward_funcs, grpo_config, tracker, lora_targets,
-                                 tool_functions, rollout, extra_columns, ledger)
-        trainer.add_callback(CheckpointMarker(run_uid, cfg.training.save_total_limit))
-        trainer.add_callback(guard)
-        if checkpoint is not None and is_main:
-            record_changes(run_dir, _step_of(checkpoint), changes, tracker)
-        policy = trainer.accelerator.unwrap_model(trainer.model)
-        runner.bind(policy)
-        eval_tokens = cfg.eval.max_new_tokens or gen.max_new_tokens
 
-        def score(dataset, split_name: str, step: int) -> dict:
-            result = evaluate(policy, tokenizer, runner, dataset, eval_tokens, cfg.eval.batch_size, rollout,
-                              cap_turn_tokens=cfg.eval.max_new_tokens)
-            episodes = result.pop("episodes", None)
-            if ledger is not None and episodes is not None:
-                ledger.record(split_name, step, episodes["prompts"], episodes["completions"],
-                              {"env": episodes["scores"]}, rows=episodes["rows"], seconds=episodes["seconds"],
-                              failures=episodes["failures"], transcripts=bool(rollout and rollout.multi_turn))
-            return result
+class Bookkeeping:
+    """The run's bookkeeping around training, in one place. Inside it SIGINT/SIGTERM end the run cleanly
+    (after the current step). On the way out:
+    - a normal end (`finished`): the outputs written, the MLflow run FINISHED;
+    - a signal or a stop (TrainingStopped, KeyboardInterrupt): the MLflow run KILLED;
+    - any other error: what was trained is saved to `<run dir>/model-interrupted` (if finite), the run FAILED;
+    - always: metrics a store that stayed down never got go to `<run dir>/metrics_unsent.jsonl`, the signal
+      handlers are restored and the rollout (vLLM engine, policy copy) is closed."""
 
-        validation = _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, checkpoint, is_main)
-        trainer.add_callback(stop)  # after validation: an early stop is decided in the same step
-        eval_before = eval_after = None
-        if split.test is not None and cfg.eval.before and checkpoint is None and is_main:
-            eval_before = score(split.test, "test_before", 0)
-            log_eval(tracker, "eval_before", eval_before, step=0, now=True)  # a resumed run never repeats it
-        if stop.signum is not None:
-            raise TrainingStopped(f"Stopped by signal {stop.signum} before training started; nothing was trained.",
-                                  128 + stop.signum)
-        train_started = time.monotonic()
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        train_seconds = time.monotonic() - train_started
-        completed = trainer.state.global_step >= trainer.state.max_steps or stop.stopped_early
-        if stop.reason is not None or (stop.signum is not None and not completed):
-            why = f"by signal {stop.signum}" if stop.signum is not None else f"because {stop.reason}"
-            raise TrainingStopped(
-                f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
-                f"{run_dir / 'checkpoints'}. Continue with:\n  {resume_command(run_dir)}",
-                128 + stop.signum if stop.signum is not None else 3)
-        if validation is not None and validation.last_step != trainer.state.global_step:
-            validation.validate(trainer.state)  # stopped between validations (max_minutes): score the live weights
-        model_path = _save_models(cfg, trainer, tokenizer, run_dir, validation) if cfg.training.save_model else None
-        if stop.signum is not None:  # training was over: keep the model, skip the rest
-            raise TrainingStopped(f"Stopped by signal {stop.signum} after training; the trained model is in "
-                                  f"{model_path}.", 128 + stop.signum)
-        if split.test is not None and cfg.eval.after and is_main:
-            eval_after = score(split.test, "test_after", trainer.state.global_step)  # the weights in model/
-            before = eval_before["scores"] if eval_before is not None else None
-            if before is None and checkpoint is not None and ledger is not None:  # resumed: the first start's
-                before = heldout_scores(ledger.path, "test_before", split.test["prompt"])
-            if before is not None:  # the same prompts, in the same order: the gain and its standard error
-                gain, se = paired_gain(before, eval_after["scores"])
-                eval_after |= {"gain": round(gain, 4), "gain_se": None if se is None else round(se, 4)}
-            log_eval(tracker, "eval_after", eval_after, step=trainer.state.global_step)
-        for metrics in (eval_before, eval_after):  # per-prompt scores: not in summary.json (the ledger has them)
-            if metrics is not None:
-                metrics.pop("scores", None)
-        if cfg.lora.enabled and cfg.lora.save_merged and model_path and is_main:
-            merged = trainer.model.merge_and_unload()
-            replace_dir_durably(run_dir / "model_merged", lambda tmp: (merged.save_pretrained(tmp),
-                                                                       tokenizer.save_pretrained(tmp)))
-        result = _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracker, started,
-                         train_seconds, validation, stop)
-        result.startup_seconds = round(train_started - started, 1)
+    def __init__(self, run: Run):
+        self.run, self.trainer = run, None
+        self.stop = StopControl(run.tracker, max_minutes=run.cfg.training.max_minutes)
+        self.guard = DivergenceGuard(run.cfg.training.learning_rate)
+
+    def __enter__(self) -> "Bookkeeping":
+        self.run.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stop.install()
+        return self
+
+    def finished(self, result: RunResult, ledger) -> RunResult:
+        run = self.run
         if ledger is not None:
             result.ledger_seconds = round(ledger.seconds, 3)
-            ledger.log_to_mlflow(tracker, cfg.ledger.mlflow_max_rows)
-        if is_main:
-            write_outputs(result, run_dir, tracker)
-        tracker.end("FINISHED", unsent_path=run_dir / UNSENT_FILE)
+            ledger.log_to_mlflow(run.tracker, run.cfg.ledger.mlflow_max_rows)
+        if run.is_main:
+            write_outputs(result, run.run_dir, run.tracker)
+        run.tracker.end("FINISHED", unsent_path=run.run_dir / UNSENT_FILE)
         return result
-    except BaseException as raised:
+
+    def __exit__(self, kind, raised, traceback) -> bool:
+        try:
+            if raised is not None:
+                self._failed(raised)
+        finally:
+            self.stop.uninstall()
+            if self.run.rollout is not None:
+                self.run.rollout.close()
+        return False
+
+    def _failed(self, raised: BaseException) -> None:
+        trainer, tracker = self.trainer, self.run.tracker
         e = raised
         if trainer is not None and _nan_sampling(raised):  # the weights are finite, what they compute is not
             e = Diverged(f"Training diverged after step {trainer.state.global_step}: the policy's next-token "
                          f"probabilities are not finite ({str(raised).splitlines()[0][:120]}). "
-                         f"{guard.fix(trainer.state.global_step)}")
+                         f"{self.guard.fix(trainer.state.global_step)}")
         if trainer is not None and trainer.state.global_step > 0 and not isinstance(e, TrainingStopped):
-            _save_interrupted(trainer, run_dir)
-        stopped = isinstance(e, KeyboardInterrupt | TrainingStopped) and stop.reason is None
+            _save_interrupted(trainer, self.run.run_dir)
+        stopped = isinstance(e, KeyboardInterrupt | TrainingStopped) and self.stop.reason is None
         try:
             tracker.set_tag("error", (str(e) or e.__class__.__name__).splitlines()[0][:500])
         except TrackingError:
             pass
-        tracker.end("KILLED" if stopped else "FAILED", unsent_path=run_dir / UNSENT_FILE)
+        tracker.end("KILLED" if stopped else "FAILED", unsent_path=self.run.run_dir / UNSENT_FILE)
         if e is not raised:
             raise e from raised
-        raise
-    finally:
-        stop.uninstall()
-        if rollout is not None:
-            rollout.close()
+
+
+def _evaluation(run: Run, trainer, ledger, stop):
+    """The held-out scorer (`score(dataset, split_name, step)`) and the validation callback (None without one)."""
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    run.runner.bind(policy)
+    cfg = run.cfg
+    eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
+
+    def score(dataset, split_name: str, step: int) -> dict:
+        result = evaluate(policy, run.tokenizer, run.runner, dataset, eval_tokens, cfg.eval.batch_size, run.rollout,
+                          cap_turn_tokens=cfg.eval.max_new_tokens)
+        episodes = result.pop("episodes", None)
+        if ledger is not None and episodes is not None:
+            ledger.record(split_name, step, episodes["prompts"], episodes["completions"],
+                          {"env": episodes["scores"]}, rows=episodes["rows"], seconds=episodes["seconds"],
+                          failures=episodes["failures"], transcripts=bool(run.rollout and run.rollout.multi_turn))
+        return result
+
+    validation = _add_validation(run, trainer, stop, score, policy)
+    trainer.add_callback(stop)  # after validation: an early stop is decided in the same step
+    return score, validation
+
+
+def _eval_before(run: Run, score) -> dict | None:
+    """The test set before training (a resumed run never repeats it)."""
+    if run.split.test is None or not run.cfg.eval.before or run.checkpoint is not None or not run.is_main:
+        return None
+    result = score(run.split.test, "test_before", 0)
+    log_eval(run.tracker, "eval_before", result, step=0, now=True)
+    return result
+
+
+def _fit(run: Run, trainer, stop, validation) -> float:
+    """trainer.train. A stop before the end (a signal, training.max_minutes; validation's patience is a normal
+    end) raises TrainingStopped with the command that continues. Returns the training seconds."""
+    if stop.signum is not None:
+        raise TrainingStopped(f"Stopped by signal {stop.signum} before training started; nothing was trained.",
+                              128 + stop.signum)
+    train_started = time.monotonic()
+    run.startup_seconds = round(train_started - run.started, 1)
+    trainer.train(resume_from_checkpoint=str(run.checkpoint) if run.checkpoint else None)
+    train_seconds = time.monotonic() - train_started
+    completed = trainer.state.global_step >= trainer.state.max_steps or stop.stopped_early
+    if stop.reason is not None or (stop.signum is not None and not completed):
+        why = f"by signal {stop.signum}" if stop.signum is not None else f"because {stop.reason}"
+        raise TrainingStopped(
+            f"Stopped {why} at step {trainer.state.global_step}; a checkpoint was saved in "
+            f"{run.run_dir / 'checkpoints'}. Continue with:\n  {resume_command(run.run_dir)}",
+            128 + stop.signum if stop.signum is not None else 3)
+    if validation is not None and validation.last_step != trainer.state.global_step:
+        validation.validate(trainer.state)  # stopped between validations (max_minutes): score the live weights
+    return train_seconds
+
+
+def _eval_after(run: Run, score, trainer, eval_before: dict | None, ledger) -> dict | None:
+    """The test set after training (the weights in model/), with the paired gain over the same prompts before.
+    Per-prompt scores leave both results here: the ledger has them, summary.json does not."""
+    eval_after = None
+    if run.split.test is not None and run.cfg.eval.after and run.is_main:
+        eval_after = score(run.split.test, "test_after", trainer.state.global_step)
+        before = eval_before["scores"] if eval_before is not None else None
+        if before is None and run.checkpoint is not None and ledger is not None:  # resumed: the first start's
+            before = heldout_scores(ledger.path, "test_before", run.split.test["prompt"])
+        if before is not None:  # the same prompts, in the same order: the gain and its standard error
+            gain, se = paired_gain(before, eval_after["scores"])
+            eval_after |= {"gain": round(gain, 4), "gain_se": None if se is None else round(se, 4)}
+        log_eval(run.tracker, "eval_after", eval_after, step=trainer.state.global_step)
+    for metrics in (eval_before, eval_after):
+        if metrics is not None:
+            metrics.pop("scores", None)
+    return eval_after
+
+
+def _save_merged(run: Run, trainer, model_path: str | None) -> None:
+    """model_merged/: the LoRA adapter merged into the base weights (lora.save_merged)."""
+    if run.cfg.lora.enabled and run.cfg.lora.save_merged and model_path and run.is_main:
+        merged = trainer.model.merge_and_unload()
+        replace_dir_durably(run.run_dir / "model_merged", lambda tmp: (merged.save_pretrained(tmp),
+                                                                       run.tokenizer.save_pretrained(tmp)))
 
 
 def plan_only(cfg: DictConfig, launch_dir: str | None = None, env: Any = None):
@@ -260,62 +354,64 @@ def sampling(gen) -> dict:
     return {"do_sample": True, "temperature": gen.temperature, "top_k": gen.top_k, "top_p": gen.top_p}
 
 
-def _open_run(cfg, plan, tracker, run_dir, checkpoint, env_name, overrides, tags, is_main, run_uid,
-              launch_dir) -> None:
+def _open_run(run: Run) -> None:
     """Reopen the run's MLflow run (a resume), or start one and write the run's record, its config as given
     (never rewritten: a resume's changes go to config_changes.yaml) and its plan (plan.json; a resume's own plan
     goes to plan-step<N>.json)."""
-    if checkpoint is not None and is_main:
-        remove_incomplete(run_dir)
+    run_dir, tracker, checkpoint, plan = run.run_dir, run.tracker, run.checkpoint, run.plan
     if checkpoint is not None:
+        if run.is_main:
+            remove_incomplete(run_dir)
         if (run_dir / RUN_ID_FILE).exists():
             tracker.resume((run_dir / RUN_ID_FILE).read_text().strip(), checkpoint)
         log.warning("Resuming %s from %s", run_dir, checkpoint.name)
-        if is_main:  # (logged to MLflow with the other outputs at the end: a store that is down never holds the start)
+        if run.is_main:  # (logged to MLflow with the other outputs at the end: a store that is down never holds the start)
             if (run_dir / PLAN_FILE).exists():
                 path = run_dir / f"plan-step{_step_of(checkpoint)}.json"
                 path.write_text(json.dumps(plan.as_dict(), indent=2, default=str))
             else:
                 plan.write(run_dir)
+            record_changes(run_dir, _step_of(checkpoint), run.changes, tracker)
         return
-    all_tags = {"env": env_name, "model": cfg.model.name,
-                "overrides": " ".join(mask_override(o) for o in overrides or [])}
+    cfg, overrides = run.given, run.overrides
+    all_tags = {"env": run.env_name, "model": cfg.model.name, "overrides": " ".join(mask_override(o) for o in overrides)}
     params = flatten(masked_config(cfg)) | {f"plan.{c.key}": str(c.value)[:500] for c in plan.choices}
-    tracker.start(cfg.tracking.run_name or run_name(cfg, env_name, overrides), params, all_tags | (tags or {}),
-                  description=description(cfg, env_name, overrides))
-    if is_main:
+    tracker.start(cfg.tracking.run_name or run_name(cfg, run.env_name, overrides), params, all_tags | run.tags,
+                  description=description(cfg, run.env_name, overrides))
+    if run.is_main:
         if tracker.run_id:
             (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
         (run_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(masked_config(cfg)))
-        write_record(run_dir, overrides or [], launch_dir, tracker.uri if tracker.enabled else None, tracker.run_id,
-                     uid=run_uid)
+        write_record(run_dir, overrides, run.launch_dir, tracker.uri if tracker.enabled else None, tracker.run_id,
+                     uid=run.uid)
         plan.write(run_dir)
 
 
-def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, lora_targets, tools, rollout,
-                   extra_columns, ledger):
+def _build_trainer(run: Run, ledger, callbacks: list):
+    """The model (weights load here), the LoRA config and PipelineTrainer (training/trainer.py)."""
     from transformers.trainer_callback import PrinterCallback
 
     from grpo_pipeline.training.trainer import PipelineTrainer, rollout_func
 
-    model = load_model(cfg.model, tokenizer)
+    cfg, rollout = run.cfg, run.rollout
+    model = load_model(cfg.model, run.tokenizer)
     peft_config = None
     if cfg.lora.enabled:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                                 target_modules=lora_targets, task_type="CAUSAL_LM")
+                                 target_modules=run.lora_targets, task_type="CAUSAL_LM")
     dynamic = cfg.generation.oversample > 1 or cfg.generation.resample_flat
     trainer = PipelineTrainer(
         model=model,
-        reward_funcs=reward_funcs,
-        args=grpo_config,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+        reward_funcs=run.reward_funcs,
+        args=run.grpo_config,
+        train_dataset=run.split.train,
+        processing_class=run.tokenizer,
         peft_config=peft_config,
-        callbacks=[RunLogger(tracker)],
-        tools=tools or None,
-        rollout_func=rollout_func(rollout, sampling(cfg.generation), extra_columns) if rollout else None,
+        callbacks=[RunLogger(run.tracker)],
+        tools=run.tool_functions or None,
+        rollout_func=rollout_func(rollout, sampling(cfg.generation), run.extra_columns) if rollout else None,
         shared_prefix_loss=cfg.training.shared_prefix_loss,
         train_completions=cfg.training.batch_size if dynamic else None,
         resample_flat=cfg.generation.resample_flat if dynamic else 0,
@@ -325,46 +421,50 @@ def _build_trainer(cfg, tokenizer, dataset, reward_funcs, grpo_config, tracker, 
         record_episodes=bool(cfg.ledger.enabled),
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
+    for callback in callbacks:
+        trainer.add_callback(callback)
     return trainer
 
 
-def _add_validation(cfg, trainer, stop, score, split, run_dir, policy, tracker, checkpoint, is_main):
+def _add_validation(run: Run, trainer, stop, score, policy):
     """The validation callback (main process only), restored from the checkpoint on resume."""
-    if split.val is None or cfg.eval.every_steps <= 0 or not is_main:
+    cfg, split = run.cfg, run.split
+    if split.val is None or cfg.eval.every_steps <= 0 or not run.is_main:
         return None
     from grpo_pipeline.evaluation.best_model import Validation
 
-    best_dir = run_dir / "best" if cfg.eval.keep_best else None
+    best_dir = run.run_dir / "best" if cfg.eval.keep_best else None
     validation = Validation(lambda: score(split.val, "val", trainer.state.global_step), cfg.eval.every_steps,
-                            cfg.eval.early_stop_patience, best_dir, policy, tracker, cfg.eval.best_margin)
-    if checkpoint is not None:
-        stored = json.loads((checkpoint / "trainer_state.json").read_text()).get("stateful_callbacks", {})
+                            cfg.eval.early_stop_patience, best_dir, policy, run.tracker, cfg.eval.best_margin)
+    if run.checkpoint is not None:
+        stored = json.loads((run.checkpoint / "trainer_state.json").read_text()).get("stateful_callbacks", {})
         validation.restore(stored.get("Validation"))
     trainer.add_callback(validation)
     stop.validation = validation
     return validation
 
 
-def _open_ledger(cfg, run_dir: Path, tokenizer, checkpoint: Path | None):
-    """The episode ledger; a resumed run first drops the lines of steps after its checkpoint."""
-    if not cfg.ledger.enabled:
+def _open_ledger(run: Run):
+    """The episode ledger (main process only); a resumed run first drops the lines of steps after its checkpoint."""
+    if not run.cfg.ledger.enabled or not run.is_main:
         return None
     from grpo_pipeline.tracking.ledger import Ledger
 
-    ledger = Ledger(run_dir, tokenizer, cfg.ledger.max_per_step, cfg.ledger.max_chars, cfg.seed)
-    if checkpoint is not None:
-        step = json.loads((checkpoint / "trainer_state.json").read_text())["global_step"]
+    cfg = run.cfg
+    ledger = Ledger(run.run_dir, run.tokenizer, cfg.ledger.max_per_step, cfg.ledger.max_chars, cfg.seed)
+    if run.checkpoint is not None:
+        step = json.loads((run.checkpoint / "trainer_state.json").read_text())["global_step"]
         dropped = ledger.truncate_after(step)
         if dropped:
             log.warning("episode ledger: dropped %d episode(s) of steps after %d (they run again)", dropped, step)
     return ledger
 
 
-def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
+def _save_models(run: Run, trainer, validation) -> str:
     """model/ (the best validation step's weights when validation keeps them and the best clearly beat the last,
     else the last: Validation.model_step) and model-last/."""
     if validation is not None and validation.best_dir is not None:
-        _save_model_dir(trainer, tokenizer, run_dir / "model-last")
+        _save_model_dir(trainer, run.tokenizer, run.run_dir / "model-last")
         step, why = validation.model_step()
         validation.kept_step = validation.last_step
         if step != validation.last_step:
@@ -375,8 +475,8 @@ def _save_models(cfg, trainer, tokenizer, run_dir: Path, validation) -> str:
         if validation.kept_step is not None:
             log.warning("model/: the weights of step %d: %s", validation.kept_step, why)
         validation.prune()
-    path = run_dir / "model"
-    _save_model_dir(trainer, tokenizer, path)  # the LoRA adapter when lora.enabled, else the full weights
+    path = run.run_dir / "model"
+    _save_model_dir(trainer, run.tokenizer, path)  # the LoRA adapter when lora.enabled, else the full weights
     return str(path)
 
 
@@ -410,22 +510,21 @@ def _save_interrupted(trainer, run_dir: Path) -> None:
         log.exception("Could not save the interrupted model to %s", path)
 
 
-def _result(trainer, split, run_dir, model_path, eval_before, eval_after, tracker, started, train_seconds,
-            validation, stop) -> RunResult:
+def _result(run: Run, trainer, model_path, eval_before, eval_after, train_seconds, validation, stop) -> RunResult:
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     v = validation
     return RunResult(
-        run_dir=str(run_dir), model_path=model_path, num_samples=len(split.train),
+        run_dir=str(run.run_dir), model_path=model_path, num_samples=len(run.split.train),
         num_epochs=float(trainer.state.epoch or 0.0), steps=trainer.state.global_step,
         first_reward=rewards[0] if rewards else None, last_reward=rewards[-1] if rewards else None,
         average_reward=sum(rewards) / len(rewards) if rewards else None,
-        eval_before=eval_before, eval_after=eval_after, mlflow_run_id=tracker.run_id,
-        wall_time_s=round(time.monotonic() - started, 1), train_seconds=round(train_seconds, 2), rewards=rewards,
+        eval_before=eval_before, eval_after=eval_after, mlflow_run_id=run.tracker.run_id,
+        wall_time_s=round(time.monotonic() - run.started, 1), train_seconds=round(train_seconds, 2), rewards=rewards,
         best_step=v.best_step if v else None, best_val=v.best_score if v else None,
         model_step=(v.last_step if v.kept_step is None else v.kept_step) if v else None,
         last_step=v.last_step if v else None, last_val=v.last_score if v else None,
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
-        eval_seconds=round(v.seconds, 2) if v else 0.0,
+        eval_seconds=round(v.seconds, 2) if v else 0.0, startup_seconds=run.startup_seconds,
     )
 
 

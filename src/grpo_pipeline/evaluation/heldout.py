@@ -5,6 +5,7 @@ The split is by unique prompt, not by row: rows with the same prompt (or, when t
 `heldout_group_by`, the same value there) stay on one side, so no held-out prompt is ever trained on.
 """
 
+import contextlib
 import json
 import logging
 import statistics
@@ -153,28 +154,20 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
     }
 
 
-class preserved_rng:
-    """Restore torch's, Python's and NumPy's RNG states on exit."""
+@contextlib.contextmanager
+def preserved_rng():
+    """Restore torch's (CPU and CUDA: torch.random.fork_rng), Python's and NumPy's RNG states on exit."""
+    import random
 
-    def __enter__(self):
-        import random
+    import numpy as np
 
-        import numpy as np
-
-        self._states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def __exit__(self, *exc):
-        import random
-
-        import numpy as np
-
-        torch.set_rng_state(self._states[0])
-        random.setstate(self._states[1])
-        np.random.set_state(self._states[2])
-        if self._cuda is not None:
-            torch.cuda.set_rng_state_all(self._cuda)
-        return False
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def paired_gain(before: list[float], after: list[float]) -> tuple[float, float | None]:

@@ -77,25 +77,30 @@ def _point(run) -> str:
 
 
 def bootstrap_mean(values, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """(mean, low, high): the percentile bootstrap interval of the mean of `values`."""
+    """(mean, low, high): scipy's percentile bootstrap interval of the mean of `values` (one value, or no spread:
+    no interval, where scipy would give NaN)."""
+    from scipy import stats
+
     v = np.asarray(values, dtype=float)
-    means = np.random.default_rng(seed).choice(v, size=(n_boot, v.size)).mean(axis=1)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(v.mean()), float(low), float(high)
+    mean = float(v.mean())
+    if v.size < 2 or np.ptp(v) == 0:
+        return mean, mean, mean
+    ci = stats.bootstrap((v,), np.mean, n_resamples=n_boot, confidence_level=level, method="percentile",
+                         rng=np.random.default_rng(seed)).confidence_interval
+    return mean, float(ci.low), float(ci.high)
 
 
 def welch_difference(a, b, level: float = 0.95) -> tuple[float, float]:
-    """The Welch t interval of mean(a) - mean(b) (unequal variances); both need 2+ values."""
+    """The Welch t interval of mean(a) - mean(b) (scipy's ttest_ind, unequal variances); both need 2+ values.
+    Neither side with any spread: the difference itself (scipy would give NaN)."""
     from scipy import stats
 
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    diff = float(a.mean() - b.mean())
-    if va + vb == 0:
+    if np.ptp(a) == 0 and np.ptp(b) == 0:
+        diff = float(a.mean() - b.mean())
         return diff, diff
-    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
-    half = float(stats.t.ppf((1 + level) / 2, df) * math.sqrt(va + vb))
-    return diff - half, diff + half
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
+    return float(ci.low), float(ci.high)
 
 
 def points(items: list[dict]) -> list[dict]:
