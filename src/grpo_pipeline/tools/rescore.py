@@ -4,13 +4,13 @@ generating (and without loading weights).
     python -m grpo_pipeline rescore <run dir> reward=length_penalty
     python -m grpo_pipeline rescore <run dir> reward=env env.format_weight=0.0 --split train
 
-The run's config (its resolved_config.yaml) with the overrides applied (a group choice like
-`reward=length_penalty` takes conf/reward/length_penalty.yaml; a dotted key sets one value) builds the
-env and the reward components exactly as training would sum them; every episode in the run's ledger
-(episodes.jsonl) is scored again and the old vs new mean reward is printed per split and step. Training
-episodes get the total training would have given them; held-out ones the env's score alone (as held-out
-evaluation scores). Episodes whose text the ledger cut (`ledger.max_chars`) are left out, and components
-get the recorded (rendered) prompt and the completion's tokens re-encoded from its text.
+The run's config (its resolved_config.yaml) with the overrides applied by Hydra, in training's grammar (a group
+choice like `reward=length_penalty` takes conf/reward/length_penalty.yaml in place of the run's section; a dotted
+key sets one value the config has, `+key=value` adds one) builds the env and the reward components exactly as
+training would sum them; every episode in the run's ledger (episodes.jsonl) is scored again and the old vs new mean
+reward is printed per split and step. Training episodes get the total training would have given them; held-out ones
+the env's score alone (as held-out evaluation scores). Episodes whose text the ledger cut (`ledger.max_chars`) are
+left out, and components get the recorded (rendered) prompt and the completion's tokens re-encoded from its text.
 An env whose `score_episode` calls the model cannot be re-scored without weights: those episodes are
 counted as failed, with the reason.
 """
@@ -27,11 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
 from grpo_pipeline.config import CONFIG_DIR
-from grpo_pipeline.config.schema import TrainConfig
+from grpo_pipeline.errors import ConfigError, PipelineError
 from grpo_pipeline.tools.episodes import SPLIT_ORDER, by_step, load
 
 
@@ -55,27 +59,40 @@ class NoWeights:
 
 
 def run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
-    """The run's resolved config with `overrides` applied (group choices from conf/, dotted keys set)."""
+    """The run's resolved config with `overrides` applied by Hydra, with the grammar training takes: a group choice
+    (reward=length_penalty) replaces that section with conf/'s option, key=value sets a key the config has,
+    +key=value adds one, ~key deletes one. A bad override is a ConfigError naming it."""
     path = run_dir / "resolved_config.yaml"
     if not path.exists():
         raise SystemExit(f"ERROR: {path} not found: is {run_dir} a run dir of this pipeline?")
-    cfg = OmegaConf.load(path)
-    schema = OmegaConf.structured(TrainConfig)
-    for override in overrides:
-        key, sep, value = override.lstrip("+~").partition("=")
-        if not sep:
-            raise SystemExit(f"ERROR: override {override!r} is not key=value (e.g. reward=length_penalty).")
-        option = CONFIG_DIR / key / f"{value}.yaml"
-        if "." not in key and option.exists():
-            node = OmegaConf.load(option)
-            default = OmegaConf.select(schema, key, throw_on_missing=False)
-            cfg[key] = OmegaConf.merge(default, node) if OmegaConf.is_config(default) else node
-        elif "." not in key and (CONFIG_DIR / key).is_dir():
-            choices = sorted(p.stem for p in (CONFIG_DIR / key).glob("*.yaml"))
-            raise SystemExit(f"ERROR: {override}: no option '{value}' in config group '{key}' (choices: {choices}).")
-        else:
-            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
-    return cfg
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        raise ConfigError(f"override {e.override!r}: {e}\n{_GRAMMAR}") from e
+    groups = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+    run = OmegaConf.load(path)
+    for o in parsed:  # a group choice replaces the run's section (the run's keys do not linger in the new option)
+        if o.key_or_group in groups and not o.is_delete() and isinstance(o.value(), str):
+            run.pop(o.key_or_group, None)
+    # the run's config is the primary config, then every group of conf/ unselected unless an override picks one;
+    # untyped (no train_schema), so a run dir of an earlier schema still rescores
+    primary = OmegaConf.merge({"defaults": ["_self_", *({group: None} for group in groups)]}, run)
+    ConfigStore.instance().store(name=_PRIMARY, node=primary)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose(config_name=_PRIMARY, overrides=list(overrides))
+    except Exception as e:  # Hydra's and OmegaConf's compose errors: keep their message, drop the traceback
+        cause = f" ({e.__cause__})" if e.__cause__ and str(e.__cause__) not in str(e) else ""
+        message = f"{e}{cause}".strip().replace(f"'{_PRIMARY}'", str(path))
+        raise ConfigError(f"rescore {' '.join(overrides)}: {message}\n{_GRAMMAR}") from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
+_PRIMARY = "grpo_pipeline_rescore_run"  # the run's config as Hydra's primary config (ConfigStore; each call replaces it)
+_GRAMMAR = ("Overrides are Hydra's, as for training: group=option (reward=length_penalty), key=value for a key the "
+            "run's config has (env.format_weight=0.0), +key=value to add one, ~key to delete one.")
 
 
 def rescore(run_dir: Path, overrides: list[str], split: str | None = None) -> tuple[list[dict], list[dict]]:
@@ -149,7 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="reward=..., env.*=..., reward.components.*=...")
     parser.add_argument("--split", choices=sorted(SPLIT_ORDER))
     args = parser.parse_args(argv)
-    entries, new = rescore(Path(args.run), args.overrides, args.split)
+    try:
+        entries, new = rescore(Path(args.run), args.overrides, args.split)
+    except PipelineError as e:
+        sys.exit(f"ERROR: {e}")
     print(f"re-scored {len(entries)} recorded episodes of {args.run} with {' '.join(args.overrides) or 'its own config'}"
           " (no generation, no weights):")
     print(table(entries, new))
