@@ -76,13 +76,10 @@ def test_unknown_group_option_fails(compose_cfg):
     [
         (["loss.epsilon_high=0.1", "loss.clip_range=0.2"], "loss.epsilon_high=0.1 < loss.clip_range=0.2"),
         (["training.batch_size=6", "generation.num_generations=4"], "does not divide"),
-        (["loss.loss_type=ppo"], "loss.loss_type='ppo'"),
         (["generation.num_generations=1", "training.batch_size=1"], "generation.num_generations=1"),
         (["generation.temperature=0"], "generation.temperature=0"),
         (["generation.top_p=1.5"], "generation.top_p=1.5"),
-        (["runtime.on_error=ignore"], "runtime.on_error='ignore'"),
         (["vllm=colocate", "lora=off", "vllm.weight_sync=adapter"], "vllm.weight_sync=adapter hands vLLM a LoRA"),
-        (["vllm=colocate", "vllm.weight_sync=merged"], "vllm.weight_sync='merged': use one of"),
         (["vllm.weight_sync=weights"], "vllm.weight_sync=weights with vllm=off"),
         (["vllm=server"], "vllm=server needs GPUs"),
         (["vllm=colocate", "model=tiny"], "the tiny model is built in code"),
@@ -101,6 +98,25 @@ def test_invalid_combinations_are_named(compose_cfg, overrides, expected, tmp_pa
     cfg = compose_cfg([*overrides, f"output_dir={tmp_path}"])
     problems = config_problems(cfg)
     assert any(expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("loss.loss_type=ppo", "loss.loss_type"),
+        ("runtime.on_error=ignore", "runtime.on_error"),
+        ("vllm.weight_sync=merged", "vllm.weight_sync"),
+        ("model.dtype=float8", "model.dtype"),
+        ("runtime.generation_dtype=half", "runtime.generation_dtype"),
+    ],
+)
+def test_choice_fields_refuse_unknown_values_at_compose(compose_cfg, override, key):
+    """Choice fields are Enums in the schema: OmegaConf names the key and lists the allowed values."""
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigError)) as e:
+        compose_cfg([override])
+    text = str(e.value) + str(e.value.__cause__)
+    assert f"full_key: {key}" in text
+    assert "expected one of" in text
 
 
 def test_all_problems_reported_at_once(compose_cfg, tmp_path):

@@ -9,10 +9,27 @@ class. Those kwargs are checked against the class signature at startup (see envs
 """
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+def _choices(name: str, *values: str) -> type[StrEnum]:
+    """A closed set of string values for a field. OmegaConf checks it at compose time, naming the key and the
+    choices (`Invalid value 'ppo', expected one of [grpo, dr_grpo, ...] full_key: loss.loss_type`); members
+    compare equal to their strings (`cfg.loss.loss_type == "dapo"`) and print as them."""
+    return StrEnum(name, [(v, v) for v in values], module=__name__)
+
+
+ModelSource = _choices("ModelSource", "tiny", "hub", "gguf")
+DType = _choices("DType", "float32", "bfloat16", "float16")
+LossType = _choices("LossType", "grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # TRL's loss_type
+ScaleRewards = _choices("ScaleRewards", "group", "batch", "none")
+VllmMode = _choices("VllmMode", "off", "colocate", "server")
+WeightSync = _choices("WeightSync", "weights", "adapter")
+OnError = _choices("OnError", "raise", "zero")
 
 
 @dataclass
@@ -21,11 +38,11 @@ class ModelConfig:
     name: str = MISSING
     # tiny: random weights + tokenizer built in code | hub: transformers id or local folder |
     # gguf: a GGUF file shipped inside a Python package, converted once to a cached safetensors folder.
-    source: str = "hub"
+    source: ModelSource = ModelSource.hub
     name_or_path: str | None = None
     gguf_package: str | None = None
     gguf_file: str | None = None
-    dtype: str = "float32"
+    dtype: DType = DType.float32
     # Replace the tokenizer's chat template: a .jinja file, or "trl:<name>" for one TRL ships
     # (e.g. trl:qwen2_5, a ChatML template that renders tools and tool calls).
     chat_template: str | None = None
@@ -61,14 +78,14 @@ class GenerationConfig:
 @dataclass
 class LossConfig:
     # TRL's loss_type: grpo | dr_grpo | dapo | bnpo | cispo | sapo
-    loss_type: str = "dapo"
+    loss_type: LossType = LossType.dapo
     # KL penalty towards the reference model (TRL's beta). 0 skips the reference model.
     kl_coef: float = 0.0
     # PPO-style clip range (TRL's epsilon); epsilon_high defaults to it when null.
     clip_range: float = 0.2
     epsilon_high: float | None = None
     # group | batch | none (Dr. GRPO recommends none).
-    scale_rewards: str = "group"
+    scale_rewards: ScaleRewards = ScaleRewards.group
     # Exclude completions cut at max_new_tokens from the loss (DAPO).
     mask_truncated_completions: bool = False
     # Policy updates per generation batch (mu in the paper).
@@ -84,7 +101,7 @@ class LossConfig:
 @dataclass
 class VllmConfig:
     # off | colocate | server
-    mode: str = "off"
+    mode: VllmMode = VllmMode.off
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1
     server_base_url: str | None = None
@@ -96,7 +113,7 @@ class VllmConfig:
     max_model_len: int = 2048
     # How the runtime's colocated engine gets the policy before each rollout: weights (loaded in place, LoRA
     # merged) | adapter (LoRA only: a LoRARequest). null: adapter for LoRA on GPUs, weights otherwise.
-    weight_sync: str | None = None
+    weight_sync: WeightSync | None = None
 
 
 @dataclass
@@ -169,7 +186,7 @@ class RuntimeConfig:
     # the run with the call named: the trainer cannot update the weights under it.
     call_deadline_s: float = 300.0
     # raise: stop on the first env error or timeout | zero: score it 0 (no advantage in its group), count it.
-    on_error: str = "zero"
+    on_error: OnError = OnError.zero
     # on_error=zero stops the run when more than this share of the last failure_window training episodes
     # failed or timed out (0.1 over 200: more than 20). Every episode of the first 2 batches failing stops it too.
     max_failure_rate: float = 0.1
@@ -189,7 +206,7 @@ class RuntimeConfig:
     # policy's (PPO's ratio against what really sampled; TRL's clip_ratio/* and sampling/* metrics show the gap).
     # null: bfloat16 for a single-turn env's float32 model on a CPU with native bf16 (AVX512-BF16/AMX), else the
     # model's own (multi-turn: measured slower in bf16).
-    generation_dtype: str | None = None
+    generation_dtype: DType | None = None
     # Hold a float32 merged copy's linear weights prepacked for oneDNN's matmul (repacked at every refresh): a CPU
     # decode step reads the weights ~2x faster (docs/performance.md). null: on for a float32 copy on a CPU
     # whose torch has oneDNN; a bf16 copy keeps torch's own matmul (not measured packed).

@@ -28,7 +28,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from grpo_pipeline.config.validate import WEIGHT_SYNCS
+from grpo_pipeline.config.schema import WeightSync
 from grpo_pipeline.errors import ConfigError
 
 
@@ -52,8 +52,8 @@ class VllmBackend:
         except ImportError as e:
             raise ConfigError(f"vllm=colocate needs vLLM ({e}). On a CPU machine: make install-vllm (the CPU build, "
                               "in .venv-vllm); on GPUs: pip install '.[vllm]'.") from e
-        if sync not in WEIGHT_SYNCS or (sync == "adapter" and not lora_rank):
-            raise ConfigError(f"vllm.weight_sync={sync!r}: use one of {WEIGHT_SYNCS} ('adapter' needs LoRA).")
+        if sync not in WeightSync.__members__ or (sync == "adapter" and not lora_rank):
+            raise ConfigError(f"vllm.weight_sync={sync}: use one of {', '.join(WeightSync)} ('adapter' needs LoRA).")
         if sync == "weights" and not _reloads_in_place():
             raise ConfigError("vllm.weight_sync=weights needs vLLM's in-place reload_weights(weights_iterator=...), "
                               "which this vLLM lacks: upgrade vLLM, or use vllm.weight_sync=adapter with LoRA.")

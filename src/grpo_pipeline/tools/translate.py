@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 
+from grpo_pipeline.config.schema import LossType
 from grpo_pipeline.errors import ConfigError
 
 # flag -> (our key, type); the simple one-to-one ones.
@@ -38,7 +39,6 @@ VALUE_FLAGS = {
 REJECTED = {
     "--data-path": "GRPO envs own their data: build_dataset(tokenizer) makes the dataset; drop the flag.",
 }
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,8 +98,8 @@ def translate(flags: list[str]) -> list[str]:
     if args.rl_env_config is not None:
         out += _env_config(args.rl_env_config, custom=bool(args.rl_env_module))
     if args.rl_loss_type:
-        if args.rl_loss_type not in LOSS_TYPES:
-            raise ConfigError(f"--rl-loss-type {args.rl_loss_type}: use one of {LOSS_TYPES}.")
+        if args.rl_loss_type not in LossType.__members__:
+            raise ConfigError(f"--rl-loss-type {args.rl_loss_type}: use one of {', '.join(LossType)}.")
         out.append(f"loss={args.rl_loss_type}")
     if args.rl_mask_truncated_completions:
         out.append("loss.mask_truncated_completions=true")
