@@ -421,6 +421,10 @@ def _build_trainer(run: Run, ledger, callbacks: list):
         record_episodes=bool(cfg.ledger.enabled),
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
+    if cfg.tracking.report_to:  # transformers' TensorBoard / wandb callbacks (report_to) write into the run dir
+        from grpo_pipeline.tracking.integrations import point_at_run_dir
+
+        point_at_run_dir(trainer, run.run_dir, cfg.tracking.experiment_name)
     for callback in callbacks:
         trainer.add_callback(callback)
     return trainer

@@ -58,13 +58,15 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "bf16": train.bf16,
         CHECKPOINTING: train.activation_checkpointing,
         "use_cpu": use_cpu,
-        # logging and saving: metrics go to MLflow through our own callback (tracking/mlflow_run.py)
+        # logging and saving: metrics go to MLflow through our own callback (tracking/mlflow_run.py), never through
+        # transformers' MLflowCallback (tracking.report_to cannot name mlflow); tensorboard / wandb through
+        # transformers' own integrations, pointed at the run dir (tracking/integrations.py)
         "logging_steps": train.logging_steps,
         "logging_nan_inf_filter": False,  # a NaN loss is logged as NaN (DivergenceGuard stops), not averaged away
         "save_strategy": "steps" if train.save_steps > 0 else "no",
         "save_steps": train.save_steps if train.save_steps > 0 else 500,
         "save_total_limit": None,  # checkpoints.CheckpointMarker keeps the last save_total_limit *complete* ones
-        "report_to": "none",
+        "report_to": [str(name) for name in cfg.tracking.report_to] or "none",
         "disable_tqdm": True,  # the progress bar comes from tracking.RunLogger
         "remove_unused_columns": False,  # extra dataset columns are the env's score_episode kwargs
         # generation backend: TRL's vLLM, unless the runtime generates through vLLM itself (vllm_backend.py)

@@ -30,6 +30,8 @@ ScaleRewards = _choices("ScaleRewards", "group", "batch", "none")
 VllmMode = _choices("VllmMode", "off", "colocate", "server")
 WeightSync = _choices("WeightSync", "weights", "adapter")
 OnError = _choices("OnError", "raise", "zero")
+ReportTo = _choices("ReportTo", "tensorboard", "wandb")  # transformers' integrations; MLflow is the pipeline's own
+EvalReward = _choices("EvalReward", "env", "total")
 
 
 @dataclass
@@ -285,6 +287,10 @@ class TrackingConfig:
     # Config keys (globs, e.g. "env.*_url") whose values are secrets, besides those whose names contain key, token,
     # secret, password, passwd or credential; and ${oc.env:...} values. Masked in everything written (tracking/redact.py).
     secret_keys: list[str] = field(default_factory=list)
+    # Also log the training metrics through transformers' own integrations (TrainingArguments.report_to):
+    # tensorboard (event files in <run dir>/tensorboard) and/or wandb (offline unless WANDB_MODE says otherwise,
+    # files in <run dir>/wandb). MLflow is always the run's store and is not listed here.
+    report_to: list[ReportTo] = field(default_factory=list)
 
 
 @dataclass

@@ -86,6 +86,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if tracking.outage_grace_s < 0:
         p.append(f"tracking.outage_grace_s={tracking.outage_grace_s}: must be >= 0 (seconds a failing store is "
                  "retried before the run stops with a checkpoint).")
+    p += _report_to_problems(tracking.report_to)
 
     if run.max_concurrency < 1:
         p.append(f"runtime.max_concurrency={run.max_concurrency}: must be >= 1.")
@@ -121,6 +122,17 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     p += _vllm_problems(cfg, world)
     p += _sharding_problems(os.environ)
     return p
+
+
+# tracking.report_to -> the package transformers' integration needs (it checks these names the same way)
+_REPORT_TO_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+
+
+def _report_to_problems(report_to) -> list[str]:
+    return [f"tracking.report_to={[str(x) for x in report_to]}: {name} is not installed. Install it "
+            f"(pip install {_REPORT_TO_PACKAGES[name][0]}), or remove {name} from tracking.report_to."
+            for name in dict.fromkeys(str(x) for x in report_to)
+            if not any(importlib.util.find_spec(m) for m in _REPORT_TO_PACKAGES[name])]
 
 
 def _sharding_problems(environ) -> list[str]:
