@@ -110,8 +110,8 @@ class ScriptedEnv:
         return 0.5
 
 
-def runner(env=None, sampling=None, group_size=None, **cfg) -> EpisodeRunner:
-    r = EpisodeRunner(env or ScriptedEnv(), None, RuntimeConfig(**cfg), ["answer"], sampling, group_size)
+def runner(env=None, sampling=None, **cfg) -> EpisodeRunner:
+    r = EpisodeRunner(env or ScriptedEnv(), None, RuntimeConfig(**cfg), ["answer"], sampling)
     r.bind(FakeModel())
     return r
 
@@ -327,20 +327,40 @@ def test_reward_function_passes_extra_columns_and_logs_metrics():
     assert {"env/failures", "env/failures_in_batch", "env/timeouts", "env/episode_seconds_mean"} <= set(logged)
 
 
-def test_failed_episodes_get_their_groups_mean_so_no_advantage():
-    r = runner(group_size=4)
+def test_failed_episodes_are_unscorable_so_trl_gives_them_no_advantage():
+    """A failed episode's reward is None: TRL 1.16 leaves it out of its group's mean and std and zeroes its
+    advantage (checked here with TRL's own nan-aware arithmetic)."""
+    from trl.trainer.utils import nanstd
+
+    r = runner()
     logged = {}
     completions = ["score:1", "raise:x", "score:0.2", "score:0.6",  # group of prompt a
-                   "raise:x", "raise:x", "raise:x", "raise:x",  # b: all failed
-                   "raise:x", "score:0.5", "score:0.5", "score:0.5",  # c, 8 times: two groups of group_size=4
-                   "score:1", "score:1", "score:1", "raise:x"]
-    prompts = ["a"] * 4 + ["b"] * 4 + ["c"] * 8
-    scores = r.reward_function()(prompts=prompts, completions=completions, answer=list(range(16)),
-                                 log_metric=lambda k, v: logged.__setitem__(k, v))
-    assert scores == pytest.approx([1, 0.6, 0.2, 0.6, 0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5, 1, 1, 1, 1])
-    group_a = scores[:4]
-    assert scores[1] == pytest.approx(sum(group_a) / 4)  # advantage (score - group mean) of the failed one: 0
-    assert logged["env/failures_in_batch"] == 7 and logged["env/failures"] == 7
+                   "raise:x", "raise:x", "raise:x", "raise:x"]  # b: all failed
+    prompts = ["a"] * 4 + ["b"] * 4
+    env = r.reward_function()
+    scores = env(prompts=prompts, completions=completions, answer=list(range(8)),
+                 log_metric=lambda k, v: logged.__setitem__(k, v))
+    assert scores == [1.0, None, 0.2, 0.6, None, None, None, None]
+    assert logged["env/failures_in_batch"] == 5 and logged["env/failures"] == 5
+
+    rewards = torch.tensor([float("nan") if s is None else s for s in scores]).view(2, 4)
+    advantages = (rewards - rewards.nanmean(dim=1, keepdim=True)) / (nanstd(rewards, dim=1).unsqueeze(1) + 1e-4)
+    advantages = torch.nan_to_num(advantages, nan=0.0).flatten()
+    assert advantages[1] == 0 and (advantages[4:] == 0).all()
+    assert advantages[0] > 0 > advantages[2]  # the baseline is the mean of 1, 0.2, 0.6 only
+    assert rewards[0].nanmean().item() == pytest.approx(0.6)
+
+
+def test_a_failed_episode_is_unscorable_for_every_reward_component():
+    from grpo_pipeline.rewards.assemble import _named
+
+    r = runner()
+    env = r.reward_function()
+    component = _named(lambda prompts, completions, **_: [0.3] * len(completions), "fmt", env)
+    completions = ["score:1", "raise:x"]
+    env(prompts=["a", "a"], completions=completions, answer=[0, 1])
+    assert component(prompts=["a", "a"], completions=completions) == [0.3, None]
+    assert component(prompts=["a", "a"], completions=list(completions)) == [0.3, 0.3]  # another batch: as scored
 
 
 def test_evaluation_counts_failures_apart_and_never_stops_the_run():

@@ -144,8 +144,7 @@ def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str]
         log.warning("%s", plan.table())
     given, cfg = cfg, plan.applied(cfg)  # the run's config: the step fitted to the data; the one given is kept
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(cfg.generation),
-                           group_size=cfg.generation.num_generations)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(cfg.generation))
     rollout = make_rollout(cfg, plan, env, tokenizer, runner)  # None: TRL generates
     if rollout is not None and rollout.multi_turn:
         rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn
@@ -235,14 +234,21 @@ def _evaluation(run: Run, trainer, ledger, stop):
     run.runner.bind(policy)
     cfg = run.cfg
     eval_tokens = cfg.eval.max_new_tokens or cfg.generation.max_new_tokens
+    total = None
+    if cfg.eval.reward == "total":  # held-out sets scored by the reward training sums, not the env's score alone
+        from grpo_pipeline.rewards.total import TotalReward
+
+        env_first = 1 if cfg.reward.env_weight > 0 else 0  # build_rewards puts the env's reward first
+        total = TotalReward(cfg.reward.env_weight, list(zip(run.reward_funcs, run.grpo_config.reward_weights,
+                                                            strict=True))[env_first:], run.tokenizer, trainer.state)
 
     def score(dataset, split_name: str, step: int) -> dict:
         result = evaluate(policy, run.tokenizer, run.runner, dataset, eval_tokens, cfg.eval.batch_size, run.rollout,
-                          cap_turn_tokens=cfg.eval.max_new_tokens)
+                          cap_turn_tokens=cfg.eval.max_new_tokens, total=total)
         episodes = result.pop("episodes", None)
         if ledger is not None and episodes is not None:
-            ledger.record(split_name, step, episodes["prompts"], episodes["completions"],
-                          {"env": episodes["scores"]}, rows=episodes["rows"], seconds=episodes["seconds"],
+            ledger.record(split_name, step, episodes["prompts"], episodes["completions"], episodes["rewards"],
+                          totals=episodes["totals"], rows=episodes["rows"], seconds=episodes["seconds"],
                           failures=episodes["failures"], transcripts=bool(run.rollout and run.rollout.multi_turn))
         return result
 
@@ -529,6 +535,7 @@ def _result(run: Run, trainer, model_path, eval_before, eval_after, train_second
         last_step=v.last_step if v else None, last_val=v.last_score if v else None,
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
         eval_seconds=round(v.seconds, 2) if v else 0.0, startup_seconds=run.startup_seconds,
+        eval_reward=str(run.cfg.eval.reward) if eval_before or eval_after or v else None,
     )
 
 

@@ -8,9 +8,7 @@ A failed or timed-out training episode scores 0, but that 0 is not a reward the 
   advantage is 0 and the others keep their ranking; a group where every episode failed is flat (no signal).
 """
 
-import statistics
 from collections import deque
-from typing import Any
 
 from grpo_pipeline.errors import EnvError
 
@@ -50,29 +48,3 @@ class FailureBudget:
                 f"{limit:g}. Fix the env, or raise runtime.max_failure_rate if it fails this often by design. "
                 f"The first of them:\n{failed[0]}"
             )
-
-
-def fill_failed_with_group_mean(scores: list[float], failed: list[bool], prompts: list[Any],
-                                group_size: int | None) -> list[float]:
-    """Each failed score replaced by the mean of its group's successful scores (0.0 if none succeeded).
-
-    A group is a run of consecutive completions of the same prompt (TRL repeats each prompt
-    num_generations times in a row), at most `group_size` long."""
-    out = list(scores)
-    for group in _groups(prompts, group_size):
-        ok = [scores[i] for i in group if not failed[i]]
-        fill = statistics.fmean(ok) if ok else 0.0
-        for i in group:
-            if failed[i]:
-                out[i] = fill
-    return out
-
-
-def _groups(prompts: list[Any], group_size: int | None) -> list[list[int]]:
-    groups: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        if groups and prompts[groups[-1][0]] == prompt and (not group_size or len(groups[-1]) < group_size):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups

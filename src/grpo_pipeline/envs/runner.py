@@ -13,7 +13,7 @@ Failure policy (`runtime.on_error`):
 - `zero` : an exception or timeout scores 0 and is counted; the run stops when more than
            `runtime.max_failure_rate` of the last `runtime.failure_window` training episodes failed, or
            when every episode of the first two batches failed (failures.py). In the reward TRL sees, a
-           failed episode gets its group's mean successful score, so it adds no advantage.
+           failed episode is None (unscorable): out of its group's baseline, advantage 0.
 - `raise`: the first exception or timeout stops the run.
 A score that is not a finite number in [0, 1] is a bug in the env and always stops the run.
 `score(..., evaluation=True)` (held-out evaluation) scores env turns greedily, counts its failures
@@ -30,7 +30,7 @@ from typing import Any
 from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.envs.batching import GenerateBatcher
 from grpo_pipeline.envs.bounded import Episode, run_bounded
-from grpo_pipeline.envs.failures import FailureBudget, fill_failed_with_group_mean
+from grpo_pipeline.envs.failures import FailureBudget
 from grpo_pipeline.envs.policy import EpisodeAbandoned, InFlight, PolicyHandle
 from grpo_pipeline.envs.shared_tokenizer import shared
 from grpo_pipeline.errors import EnvError
@@ -73,17 +73,15 @@ def score_problem(value: Any) -> str | None:
 
 class EpisodeRunner:
     def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str],
-                 sampling: dict | None = None, group_size: int | None = None):
+                 sampling: dict | None = None):
         """`sampling`: generate settings for the env's turns in training (e.g. {"do_sample": True,
-        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them.
-        `group_size`: generation.num_generations, the most completions of one prompt in a GRPO group."""
+        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them."""
         self.env = env
         self.env_name = type(env).__qualname__
         self.tokenizer = shared(tokenizer)  # env threads share it: one call at a time (shared_tokenizer.py)
         self.cfg = cfg
         self.extra_columns = list(extra_columns)
         self.sampling = dict(sampling or {})
-        self.group_size = group_size
         self.last_batch: dict[str, list] = {"seconds": [], "failures": []}  # the last scored batch, for the ledger
         thread_safe = getattr(env, "thread_safe", True)
         self.max_workers = cfg.max_concurrency if thread_safe else 1
@@ -108,8 +106,10 @@ class EpisodeRunner:
         return scores, metrics
 
     def reward_function(self) -> Callable:
-        """A TRL reward function (named after the env) that scores through this runner; a failed
-        episode gets its group's mean successful score (no advantage)."""
+        """A TRL reward function (named after the env) that scores through this runner. A failed episode's
+        reward is None: TRL 1.16 leaves it out of its group's (NaN-aware) mean and std and gives it advantage 0,
+        across processes too. `reward.failed` holds the last batch's failures, for the other reward components
+        (rewards/assemble.py) called on the same batch, so that a failed episode is unscorable as a whole, not scored by format alone."""
 
         def reward(prompts, completions, log_metric=None, log_extra=None, **columns):
             rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]
@@ -126,9 +126,11 @@ class EpisodeRunner:
                 log_extra("failure", self.last_batch["failures"])
                 if "transcript" in columns:
                     log_extra("transcript", episodes)
-            return fill_failed_with_group_mean(scores, failed, list(prompts), self.group_size)
+            reward.failed = (completions, list(failed))  # the batch (TRL hands every reward the same list)
+            return [None if f else s for s, f in zip(scores, failed, strict=True)]
 
         reward.__name__ = "env"
+        reward.failed = (None, [])
         return reward
 
     def run_episodes(self, completions: list[Any], rows: list[dict], sampling: dict | None = None,

@@ -41,7 +41,7 @@ def build_rewards(cfg: RewardConfig, env_reward: Callable, columns: list[str]) -
                 f"reward.components.{name} needs dataset column(s) {missing}, which the env's dataset lacks "
                 f"(columns: {columns}). Add them in build_dataset, or drop the component."
             )
-        funcs.append(_named(fn, name))
+        funcs.append(_named(fn, name, env_reward if cfg.env_weight > 0 else None))
         weights.append(weight)
     return funcs, weights
 
@@ -56,9 +56,17 @@ def _required_columns(fn: Callable) -> list[str]:
     ]
 
 
-def _named(fn: Callable, name: str) -> Callable:
+def _named(fn: Callable, name: str, env_reward: Callable | None) -> Callable:
+    """`fn` as a TRL reward named `name`. Where the env's episode failed in this batch (TRL calls the env's reward
+    first, in list order, with the same `completions` list), the component returns None too: the completion is unscorable as a whole (TRL: no
+    advantage, out of the group's baseline) rather than scored by its format alone."""
+
     def reward(prompts, completions, **kwargs):
-        return fn(prompts=prompts, completions=completions, **kwargs)
+        scores = fn(prompts=prompts, completions=completions, **kwargs)
+        batch, failed = getattr(env_reward, "failed", (None, []))
+        if batch is not completions:  # not the batch the env just scored (e.g. a direct call)
+            return scores
+        return [None if f else s for s, f in zip(scores, failed, strict=True)]
 
     reward.__name__ = name  # TRL names the metric rewards/<name>/mean after it
     return reward
