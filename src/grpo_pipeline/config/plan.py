@@ -146,6 +146,8 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
     choices.append(Choice("held-out", f"{n_test} + {n_val}",
                           "test + validation prompts" + ("" if cfg.eval.enabled else " (eval.enabled=false)")
                           + f"; {len(split.train)} training prompts"))
+    if n_test or n_val:
+        choices.append(Choice("eval.reward", cfg.eval.reward, _eval_reward_why(cfg)))
     loss = cfg.loss
     choices.append(Choice("loss", loss.loss_type, f"beta (loss.kl_coef)={loss.kl_coef:g}"
                           + (" with a reference model" if loss.kl_coef else ", no reference model")
@@ -155,6 +157,16 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
                    weight_sync=sync, max_turns=max_turns, turn_tokens=turn_tokens,
                    max_episode_tokens=max_episode_tokens, step=step, train_prompts=len(split.train),
                    val_prompts=n_val, test_prompts=n_test, choices=tuple(choices))
+
+
+def _eval_reward_why(cfg) -> str:
+    trained = " + ".join([f"{cfg.reward.env_weight:g} x env"] * (cfg.reward.env_weight > 0)
+                         + [f"{c.get('weight', 1.0):g} x {name}" for name, c in cfg.reward.components.items()])
+    if cfg.eval.reward == "total":
+        return f"held-out episodes score the reward training sums: {trained}"
+    only_env = not cfg.reward.components and cfg.reward.env_weight > 0
+    return "held-out episodes score the env's score alone" + (
+        "" if only_env else f" (training sums {trained}; eval.reward=total scores that)")
 
 
 def generation_dtype(cfg, multi_turn: bool = False, gpu: bool | None = None,

@@ -254,6 +254,9 @@ class EvalConfig:
     batch_size: int = 16
     # null: generation.max_new_tokens.
     max_new_tokens: int | None = None
+    # What a held-out episode scores: env (the env's score_episode alone) | total (the reward training sums:
+    # reward.env_weight x the env's score + each reward.components entry x its weight; success = every part full).
+    reward: EvalReward = EvalReward.env
     before: bool = True
     after: bool = True
 

@@ -1,5 +1,6 @@
 """Held-out evaluation, usable with any env: greedy completions for prompts never trained on, scored by
-the env runtime exactly as in training. Reports mean reward and success rate (share of full scores).
+the env runtime exactly as in training: by the env's score (eval.reward=env), or by the total reward training
+sums (eval.reward=total: rewards/total.py). Reports mean reward and success rate (share of full scores).
 
 The split is by unique prompt, not by row: rows with the same prompt (or, when the env names columns in
 `heldout_group_by`, the same value there) stay on one side, so no held-out prompt is ever trained on.
@@ -124,8 +125,9 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
 
 
 def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int,
-             rollout=None, cap_turn_tokens: int | None = None) -> dict:
-    """Greedy episodes over `dataset`, generated like training's (through `rollout`, when the run has one);
+             rollout=None, cap_turn_tokens: int | None = None, total=None) -> dict:
+    """Greedy episodes over `dataset`, generated like training's (through `rollout`, when the run has one),
+    scored by the env's score, or with `total` (rewards/total.py, eval.reward=total) by the reward training sums;
     the RNG states are left as they were, so evaluating does not change a seeded run's training trajectory."""
     rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
     prompts = dataset["prompt"]
@@ -141,13 +143,18 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
             if rollout.multi_turn:  # score_episode gets the whole episode's messages
                 episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
         scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
-    batch = runner.last_batch
+        batch = runner.last_batch
+        parts, totals, full = {"env": scores}, None, 1.0
+        if total is not None:
+            parts, totals = total(prompts, completions, rows, scores, batch["failures"])
+            scores, full = totals, total.full
     return {
-        "episodes": {"prompts": list(prompts), "completions": episodes, "scores": scores, "rows": rows,
-                     "seconds": batch["seconds"], "failures": batch["failures"]},  # for the episode ledger
+        "episodes": {"prompts": list(prompts), "completions": episodes, "rewards": parts, "totals": totals,
+                     "rows": rows, "seconds": batch["seconds"], "failures": batch["failures"]},  # for the ledger
+        "reward": "total" if total is not None else "env",  # what the scores are (eval.reward)
         "scores": scores,  # per prompt, in the dataset's order (paired_gain); not kept in summary.json
         "mean_reward": statistics.fmean(scores),
-        "success_rate": sum(s >= 1.0 for s in scores) / len(scores),
+        "success_rate": sum(s >= full - 1e-9 for s in scores) / len(scores),  # every part at its full score
         "num_prompts": len(scores),
         "failures": int(metrics.get("eval/failures", 0)),
         "samples": [{"completion": c, "score": s} for c, s in list(zip(completions, scores, strict=True))[:5]],

@@ -11,6 +11,8 @@ from grpo_pipeline.tracking.redact import mask_override, mask_secrets
 from grpo_pipeline.training.checkpoints import write_durably
 
 log = logging.getLogger(__name__)
+EVAL_REWARD = {"env": "eval.reward=env: the env's score alone",
+               "total": "eval.reward=total: the reward training sums"}
 
 
 @dataclass
@@ -39,14 +41,16 @@ class RunResult:
     eval_seconds: float = 0.0  # time spent on validation during training
     startup_seconds: float = 0.0  # from the start to the first training step (loading, the "before" evaluation)
     ledger_seconds: float = 0.0  # time spent writing the episode ledger
+    eval_reward: str | None = None  # what the held-out scores are: env | total (eval.reward); None: no held-out set
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
 
 
 def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool = False) -> None:
-    log.warning("%s: mean reward %.3f, success rate %.3f over %d held-out prompts%s",
-                prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"],
+    scored_by = EVAL_REWARD[metrics.get("reward", "env")]
+    log.warning("%s: mean reward %.3f, success rate %.3f over %d held-out prompts (%s)%s",
+                prefix, metrics["mean_reward"], metrics["success_rate"], metrics["num_prompts"], scored_by,
                 f" ({metrics['failures']} failed)" if metrics.get("failures") else "")
     values = {f"{prefix}/mean_reward": metrics["mean_reward"], f"{prefix}/success_rate": metrics["success_rate"],
               f"{prefix}/failures": float(metrics.get("failures", 0))}
