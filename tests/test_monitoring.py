@@ -1,6 +1,7 @@
 """Monitoring users already have: tracking.report_to (TensorBoard, wandb) beside MLflow."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -25,6 +26,16 @@ def test_report_to_tensorboard_writes_the_reward_curve_under_the_run_dir(compose
     assert [e.step for e in rewards] == [1, 2]
     assert [pytest.approx(e.value, abs=1e-6) for e in rewards] == result.rewards
     assert "train/loss" in events.Tags()["scalars"]
+
+
+def test_report_to_wandb_runs_offline_in_the_run_dir(compose_cfg, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # not a dependency: checked where it is installed
+    for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(key, raising=False)
+    train(compose_cfg([*tiny_overrides(tmp_path), "tracking.report_to=[wandb]"]), launch_dir=str(tmp_path))
+    (offline,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    assert next(offline.glob("run-*.wandb")).stat().st_size > 0
+    assert "WANDB_MODE" not in os.environ and "WANDB_DIR" not in os.environ  # set only while wandb started
 
 
 def test_report_to_reaches_transformers_and_never_names_mlflow(compose_cfg, tmp_path):
