@@ -127,13 +127,3 @@ def test_launcher_dry_run_prints_commands(capsys):
     out = capsys.readouterr().out
     assert "CUDA_VISIBLE_DEVICES=0,1 trl vllm-serve --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" in out
     assert "accelerate launch --num_processes 6 -m grpo_pipeline" in out
-
-
-def test_unknown_lora_family_fails_before_weights(compose_cfg, tmp_path, monkeypatch):
-    import grpo_pipeline.recipe as recipe
-
-    monkeypatch.setattr(recipe, "model_type", lambda cfg: "mamba")
-    monkeypatch.setattr(recipe, "load_model", lambda *a: pytest.fail("weights must not load"))
-    cfg = compose_cfg(tiny_overrides(tmp_path))
-    with pytest.raises(ConfigError, match="model family 'mamba' has no default"):
-        train(cfg, launch_dir=str(tmp_path))

@@ -38,12 +38,17 @@ def test_tiny_model_is_deterministic_and_stops_at_eos():
     assert a.generation_config.eos_token_id == tok.eos_token_id
 
 
-def test_lora_targets_per_family():
-    assert lora_target_modules("llama", None) == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                  "down_proj"]
-    assert lora_target_modules("whatever", ["fc"]) == ["fc"]
-    with pytest.raises(ConfigError, match="model family 'mamba' has no default. Set lora.target_modules"):
-        lora_target_modules("mamba", None)
+def test_lora_targets_all_linear_is_every_decoder_linear_layer_on_llama():
+    """PEFT's all-linear on the llama family (SmolLM2's) adapts the q/k/v/o/gate/up/down layers this project
+    tuned with, and not the output head; a list given is used as it is."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_model(ModelConfig(name="tiny", source="tiny"), build_tiny_tokenizer())
+    assert model.config.model_type == "llama"
+    assert lora_target_modules(None) == "all-linear" and lora_target_modules(["fc"]) == ["fc"]
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=lora_target_modules(None)))
+    adapted = {name.rsplit(".", 1)[-1] for name, m in peft.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def test_missing_gguf_package_is_a_clear_error():

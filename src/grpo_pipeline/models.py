@@ -7,7 +7,6 @@ leaves a cache that later loads as broken.
 """
 
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -21,21 +20,6 @@ from grpo_pipeline.config.schema import ModelConfig
 from grpo_pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-# LoRA target modules per model family (config.model_type).
-# Every linear layer of the decoder blocks (attention and MLP), as QLoRA recommends: on the default run it
-# learned more than attention-only LoRA at the same step cost (docs/results.md).
-_ATTENTION_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA_TARGETS = {
-    "llama": _ATTENTION_MLP,
-    "qwen2": _ATTENTION_MLP,
-    "qwen3": _ATTENTION_MLP,
-    "mistral": _ATTENTION_MLP,
-    "gemma": _ATTENTION_MLP,
-    "gemma2": _ATTENTION_MLP,
-    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
-    "gpt2": ["c_attn", "c_proj", "c_fc"],
-}
 
 _COMPLETE_MARKER = ".complete"
 
@@ -199,32 +183,11 @@ def build_tiny_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase):
         return LlamaForCausalLM(config)
 
 
-def model_type(cfg: ModelConfig) -> str:
-    """The model family (config.model_type), read without loading weights."""
-    if cfg.source == "tiny":
-        return "llama"
-    if cfg.source == "gguf":
-        cached = gguf_cache_dir(cfg)
-        if (cached / _COMPLETE_MARKER).exists():
-            return json.loads((cached / "config.json").read_text())["model_type"]
-        from gguf import GGUFReader
-
-        field = GGUFReader(gguf_path(cfg)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    from transformers import AutoConfig
-
-    return _from_hub(AutoConfig, cfg).model_type
-
-
-def lora_target_modules(model_type: str, configured: list[str] | None) -> list[str]:
-    if configured:
-        return list(configured)
-    if model_type not in LORA_TARGETS:
-        raise ConfigError(
-            f"lora.target_modules is not set and model family '{model_type}' has no default. "
-            f"Set lora.target_modules=[...] (names of the model's linear layers) or use lora=off."
-        )
-    return LORA_TARGETS[model_type]
+def lora_target_modules(configured: list[str] | None) -> list[str] | str:
+    """`lora.target_modules`, or PEFT's "all-linear" (every linear layer but the output head, any model family):
+    on the llama/qwen/mistral families that is the q/k/v/o/gate/up/down set this project tuned with (QLoRA's
+    advice; on the default run it learned more than attention-only LoRA at the same step cost, docs/results.md)."""
+    return list(configured) if configured else "all-linear"
 
 
 def _from_hub(auto_cls, cfg: ModelConfig, **kwargs):

@@ -34,7 +34,7 @@ from grpo_pipeline.envs.loader import (
 from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split_heldout
-from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
+from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
 from grpo_pipeline.prompts import attach_tools
 from grpo_pipeline.rewards.assemble import build_rewards
 from grpo_pipeline.rollout.turns import make_rollout
@@ -153,7 +153,7 @@ def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str]
     if rollout is None and not tool_functions:  # TRL renders chat prompts without tools: give it text
         split = Split(*(attach_tools(d, tokenizer, get_tool_schemas(env), env_name) if d is not None else None
                         for d in (split.train, split.test, split.val)))
-    lora_targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules) if cfg.lora.enabled else None
+    lora_targets = lora_target_modules(cfg.lora.target_modules) if cfg.lora.enabled else None
     with importable_from(launch_dir):  # reward components may live in the launch dir, like the env
         reward_funcs, reward_weights = build_rewards(cfg.reward, runner.reward_function(), dataset.column_names)
     from grpo_pipeline.config.grpo_args import build_grpo_config  # imports TRL: after the cheap checks

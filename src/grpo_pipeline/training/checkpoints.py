@@ -54,7 +54,11 @@ def is_complete(checkpoint: Path, run_uid: str | None = None) -> bool:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """The checkpoint folders, newest step first."""
+    """The checkpoint folders, newest step first.
+
+    Not `transformers.trainer_utils.get_last_checkpoint`: it returns the newest `checkpoint-*` folder only, half-
+    written or another run's included, where a resume needs every folder in order, to skip the unmarked and the
+    foreign ones and to fall back to the next when the newest fails to load (tests/test_run_dir.py)."""
     found = [(s, p) for p in (Path(run_dir) / "checkpoints").glob("checkpoint-*") if (s := step_of(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
 
