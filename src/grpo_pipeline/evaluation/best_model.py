@@ -10,6 +10,10 @@ optionally stop early.
 - Evaluating never changes the training trajectory: generation is greedy and the RNG states are restored.
 - Resume: the best step, its score and the patience counter are stored in every checkpoint's
   trainer_state.json and restored from it.
+
+Not transformers' `EarlyStoppingCallback` + `load_best_model_at_end`: those read `Trainer.evaluate`'s metric
+(TRL's eval samples num_generations per prompt) and reload a whole checkpoint, where this scores greedily on the
+env, keeps only the trainable weights and applies the margin rule (docs/layout.md, "Library or hand-written").
 """
 
 import json

@@ -9,6 +9,9 @@
   only steps covered by a checkpoint reach MLflow, so a run resumed after a kill replays nothing that
   MLflow already has: every step is in its history exactly once (see Tracker.resume for the repair of
   steps a kill kept from being written).
+
+Not MLflow's `log_metrics(..., synchronous=False)`: its futures are not retried, so an outage loses the metrics,
+and it cannot hold back steps that no checkpoint covers (docs/layout.md, "Library or hand-written").
 """
 
 import errno
