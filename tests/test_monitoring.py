@@ -5,6 +5,8 @@ import os
 import sys
 
 import pytest
+import torch
+from mlflow.tracking import MlflowClient
 
 from conftest import tiny_overrides
 from grpo_pipeline.config.grpo_args import grpo_kwargs
@@ -92,3 +94,81 @@ def test_eval_reward_scores_held_out_sets_by_the_env_alone_or_by_the_total(compo
     if eval_reward == "total":  # the ledger keeps each part
         assert {e["rewards"]["env"] for e in test_before} == {0.5}
         assert {e["rewards"]["length_penalty"] for e in test_before} == {1.0}
+
+
+def _fresh_trainer(compose_cfg, tmp_path, *overrides):
+    """The run's PipelineTrainer as the recipe builds it, before any step (tracking off: nothing to open)."""
+    from grpo_pipeline.recipe import _build_trainer, prepare
+
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "tracking.enabled=false", "ledger.enabled=false", *overrides])
+    run = prepare(cfg, launch_dir=str(tmp_path))
+    return run, _build_trainer(run, None, [])
+
+
+def test_kl_to_base_is_zero_before_training_with_lora_and_grows_as_the_adapter_moves(compose_cfg, tmp_path):
+    from grpo_pipeline.evaluation.heldout import evaluate
+    from grpo_pipeline.evaluation.kl_to_base import KlToBase
+
+    run, trainer = _fresh_trainer(compose_cfg, tmp_path)  # lora=default
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    kl = KlToBase.for_trainer(trainer, batch_size=4)
+    assert kl is not None and getattr(trainer, "ref_model", None) is None  # the adapter switched off, no copy
+
+    def kl_now():
+        run.runner.bind(policy)
+        return evaluate(policy, run.tokenizer, run.runner, run.split.train.select(range(6)), 8, 4, run.rollout,
+                        kl=kl)["kl_to_base"]
+
+    assert kl_now() == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero: the policy is the base model
+    with torch.no_grad():
+        for name, weight in policy.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(0.0, 0.5)
+    assert kl_now() > 0.01 and policy.training  # (the random tiny model stays near uniform: ~0.08); train mode back
+
+
+def test_validation_logs_kl_to_base_and_warns_when_the_policy_drifts(caplog):
+    from transformers import TrainerState
+
+    from grpo_pipeline.evaluation.best_model import Validation
+
+    class Tracker:
+        logged = {}
+
+        def log_metrics(self, values, step):
+            self.logged |= values
+
+    tracker = Tracker()
+    scores = iter([0.1, 0.73])
+    validation = Validation(lambda: {"mean_reward": 0.5, "success_rate": 0.0, "kl_to_base": next(scores)},
+                            every_steps=1, patience=0, best_dir=None, policy=None, tracker=tracker)
+    state = TrainerState(global_step=5, max_steps=10)
+    with caplog.at_level("WARNING"):
+        validation.validate(state)
+        assert tracker.logged["eval_val/kl_to_base"] == 0.1 and "drifting" not in caplog.text
+        state.global_step = 10
+        validation.validate(state)
+    assert tracker.logged["eval_val/kl_to_base"] == 0.73
+    assert ("validation step 10: eval_val/kl_to_base 0.730 > 0.5: the policy is drifting far from the base model: "
+            "lower the learning rate (training.learning_rate) or raise loss.kl_coef") in caplog.text
+
+
+def test_kl_to_base_is_logged_at_validation_steps_whatever_kl_coef(compose_cfg, tmp_path):
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "loss.kl_coef=0", "eval.enabled=true", "eval.num_prompts=4",
+                       "eval.val_prompts=4", "eval.every_steps=1"])
+    result = train(cfg, launch_dir=str(tmp_path))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    history = client.get_metric_history(result.mlflow_run_id, "eval_val/kl_to_base")
+    assert [m.step for m in history] == [1, 2]
+    assert all(0.0 <= m.value < 0.5 for m in history)
+    assert "kl" not in client.get_run(result.mlflow_run_id).data.metrics  # TRL's own kl needs beta != 0
+
+
+def test_kl_to_base_without_a_reference_model_is_skipped_and_said_once(compose_cfg, tmp_path, caplog):
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "lora=off", "loss.kl_coef=0", "eval.enabled=true",
+                       "eval.num_prompts=4", "eval.val_prompts=4", "eval.every_steps=1", "training.save_model=false"])
+    with caplog.at_level("WARNING"):
+        result = train(cfg, launch_dir=str(tmp_path))
+    assert caplog.text.count("eval_val/kl_to_base is not computed: full fine-tuning with loss.kl_coef=0") == 1
+    metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
+    assert "eval_val/mean_reward" in metrics and "eval_val/kl_to_base" not in metrics

@@ -241,10 +241,15 @@ def _evaluation(run: Run, trainer, ledger, stop):
         env_first = 1 if cfg.reward.env_weight > 0 else 0  # build_rewards puts the env's reward first
         total = TotalReward(cfg.reward.env_weight, list(zip(run.reward_funcs, run.grpo_config.reward_weights,
                                                             strict=True))[env_first:], run.tokenizer, trainer.state)
+    kl = None
+    if run.split.val is not None and cfg.eval.every_steps > 0 and run.is_main:  # eval_val/kl_to_base, any kl_coef
+        from grpo_pipeline.evaluation.kl_to_base import KlToBase
+
+        kl = KlToBase.for_trainer(trainer, cfg.eval.batch_size)
 
     def score(dataset, split_name: str, step: int) -> dict:
         result = evaluate(policy, run.tokenizer, run.runner, dataset, eval_tokens, cfg.eval.batch_size, run.rollout,
-                          cap_turn_tokens=cfg.eval.max_new_tokens, total=total)
+                          cap_turn_tokens=cfg.eval.max_new_tokens, total=total, kl=kl if split_name == "val" else None)
         episodes = result.pop("episodes", None)
         if ledger is not None and episodes is not None:
             ledger.record(split_name, step, episodes["prompts"], episodes["completions"], episodes["rewards"],

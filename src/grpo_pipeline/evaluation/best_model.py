@@ -2,7 +2,8 @@
 optionally stop early.
 
 - The scores go into the Trainer's log history (so a checkpoint carries them, like TRL's metrics) and to
-  MLflow as `eval_val/mean_reward` and `eval_val/success_rate`.
+  MLflow as `eval_val/mean_reward` and `eval_val/success_rate`, with the KL to the base model over the
+  validation completions as `eval_val/kl_to_base` (evaluation/kl_to_base.py; a warning above 0.5).
 - On a new best (highest validation mean reward) the trainable weights (the LoRA adapter, or every weight
   without LoRA) are written to `<run dir>/best/step-<N>.safetensors`. At the end `model/` gets them only if the
   best step beat the last one by more than `margin` paired standard errors over the validation prompts (the
@@ -27,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from grpo_pipeline.evaluation.heldout import paired_gain
+from grpo_pipeline.evaluation.kl_to_base import warn_if_drifting
 from grpo_pipeline.training.checkpoints import fsync_file
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ class Validation(TrainerCallback, ExportableState):
         self.last_step, self.last_score, self.last_scores = step, score, metrics.get("scores")
         self.history.append((step, score))
         values = {f"{PREFIX}/mean_reward": score, f"{PREFIX}/success_rate": metrics["success_rate"]}
+        if metrics.get("kl_to_base") is not None:  # evaluation/kl_to_base.py
+            values[f"{PREFIX}/kl_to_base"] = metrics["kl_to_base"]
+            warn_if_drifting(metrics["kl_to_base"], step)
         state.log_history.append({**values, "step": step})
         if self.tracker is not None:
             self.tracker.log_metrics(values, step=step)

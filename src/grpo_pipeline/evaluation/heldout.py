@@ -125,14 +125,15 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: i
 
 
 def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_tokens: int, batch_size: int,
-             rollout=None, cap_turn_tokens: int | None = None, total=None) -> dict:
+             rollout=None, cap_turn_tokens: int | None = None, total=None, kl=None) -> dict:
     """Greedy episodes over `dataset`, generated like training's (through `rollout`, when the run has one),
     scored by the env's score, or with `total` (rewards/total.py, eval.reward=total) by the reward training sums;
-    the RNG states are left as they were, so evaluating does not change a seeded run's training trajectory."""
+    with `kl` (evaluation/kl_to_base.py), also the policy's KL to the base model over these completions.
+    The RNG states are left as they were, so evaluating does not change a seeded run's training trajectory."""
     rows = [{k: dataset[i][k] for k in runner.extra_columns} for i in range(len(dataset))]
     prompts = dataset["prompt"]
     with preserved_rng():
-        pre_failures = None
+        pre_failures, trajs = None, None
         if rollout is None:
             completions = episodes = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
         else:
@@ -148,6 +149,7 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
         if total is not None:
             parts, totals = total(prompts, completions, rows, scores, batch["failures"])
             scores, full = totals, total.full
+        kl_to_base = kl(_token_ids(tokenizer, prompts, completions, trajs)) if kl is not None else None
     return {
         "episodes": {"prompts": list(prompts), "completions": episodes, "rewards": parts, "totals": totals,
                      "rows": rows, "seconds": batch["seconds"], "failures": batch["failures"]},  # for the ledger
@@ -158,7 +160,21 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
         "num_prompts": len(scores),
         "failures": int(metrics.get("eval/failures", 0)),
         "samples": [{"completion": c, "score": s} for c, s in list(zip(completions, scores, strict=True))[:5]],
-    }
+    } | ({"kl_to_base": kl_to_base} if kl_to_base is not None else {})
+
+
+def _token_ids(tokenizer, prompts: list, completions: list[str], trajs) -> list[tuple[list, list, list]]:
+    """(prompt ids, completion ids, 1 where the model generated the token) per episode: the rollout's own ids, or
+    (TRL generated) the rendered prompt and the completion tokenized again."""
+    if trajs is not None:
+        return [(t.prompt_ids, t.completion_ids, t.env_mask or [1] * len(t.completion_ids)) for t in trajs]
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        text, chat = render_prompt(tokenizer, prompt)
+        prompt_ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        out.append((prompt_ids, completion_ids, [1] * len(completion_ids)))
+    return out
 
 
 @contextlib.contextmanager
