@@ -8,7 +8,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import tiny_overrides
+from conftest import run_cli, tiny_overrides
 from grpo_pipeline.config.grpo_args import grpo_kwargs
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.errors import ConfigError
@@ -172,3 +172,25 @@ def test_kl_to_base_without_a_reference_model_is_skipped_and_said_once(compose_c
     assert caplog.text.count("eval_val/kl_to_base is not computed: full fine-tuning with loss.kl_coef=0") == 1
     metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
     assert "eval_val/mean_reward" in metrics and "eval_val/kl_to_base" not in metrics
+
+
+def test_the_end_of_a_run_prints_the_mlflow_ui_pages_of_its_experiment_runs_and_of_the_run(tmp_path):
+    proc = run_cli([*tiny_overrides(tmp_path), "training.max_steps=1"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("grpo_pipeline")
+    (run,) = client.search_runs([experiment.experiment_id])
+    runs_view = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs"
+    assert f"MLflow UI (serve it with: mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}):" in proc.stdout
+    assert f"  the experiment's runs: {runs_view}\n" in proc.stdout
+    assert f"  this run:              {runs_view}/{run.info.run_id}\n" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["mlflow_ui"]["run"] == f"{runs_view}/{run.info.run_id}"
+
+
+def test_ui_links_of_a_tracking_server_are_its_own_pages_without_credentials():
+    from grpo_pipeline.tracking.mlflow_run import ui_links
+
+    links = ui_links("https://alice:s3cret@mlflow.example.org/base/", "7", "abc123")
+    assert links == {"experiment_runs": "https://mlflow.example.org/base/#/experiments/7/runs",
+                     "run": "https://mlflow.example.org/base/#/experiments/7/runs/abc123", "serve": None}

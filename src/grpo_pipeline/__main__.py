@@ -71,7 +71,9 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             raise
         print(f"\nERROR: {mask_secrets(str(e))}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
-    print(f"Run dir: {result.run_dir}\nSummary: {result.run_dir}/summary.json")
+    from grpo_pipeline.tracking.outputs import end_lines
+
+    print(end_lines(result))
     # The value a sweeper (e.g. Optuna) maximises.
     if result.eval_after:
         return result.eval_after["mean_reward"]

@@ -541,6 +541,7 @@ def _result(run: Run, trainer, model_path, eval_before, eval_after, train_second
         validation=[list(x) for x in v.history] if v else None, stopped_early=stop.stopped_early,
         eval_seconds=round(v.seconds, 2) if v else 0.0, startup_seconds=run.startup_seconds,
         eval_reward=str(run.cfg.eval.reward) if eval_before or eval_after or v else None,
+        mlflow_ui=run.tracker.ui_links(),
     )
 
 

@@ -6,6 +6,8 @@ refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI 
 
     mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db
 
+and go to the links a run prints at its end (`ui_links`): the experiment's runs view and the run's page.
+
 Metrics go through a background `MetricWriter` (retries, grace period). With checkpoints on, a step's
 metrics reach MLflow once a checkpoint covers it; TRL's `trainer_state.json` in each checkpoint holds the
 metrics of every step up to it, and `resume` writes any of those MLflow lacks, so a kill at any moment
@@ -31,10 +33,28 @@ _MAX_PARAM_LEN = 500
 _MAX_TAG_LEN = 5000
 # MLflow 3 opens new experiments in its GenAI view unless told they hold model training runs.
 _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
 
 
 class TrackingError(PipelineError):
     """The tracking store stayed unreachable past tracking.outage_grace_s."""
+
+
+def ui_links(uri: str, experiment_id: str, run_id: str) -> dict[str, str | None]:
+    """The MLflow UI's pages of a run: its experiment's runs view and the run itself (MLflow 3.17's routes
+    `#/experiments/<id>/runs[/<run id>]`; the experiment's own URL opens its GenAI overview, which lists no runs),
+    and the command that serves the UI for a local store (None: the tracking server serves it)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    served = uri.startswith(("http://", "https://"))
+    if served:
+        parts = urlsplit(uri)
+        base = urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))  # no credentials
+    else:
+        base = LOCAL_UI
+    runs = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    return {"experiment_runs": runs, "run": f"{runs}/{run_id}",
+            "serve": None if served else f"mlflow ui --backend-store-uri {mask_secrets(uri)}"}
 
 
 def default_tracking_uri(launch_dir: str | Path) -> str:
@@ -119,6 +139,9 @@ class Tracker:
                 f"{mask_secrets(str(e)[:300])}). Fix the URI (e.g. sqlite:///outputs/mlflow.db or "
                 "http://host:5000), or set tracking.enabled=false."
             ) from e
+
+    def ui_links(self) -> dict[str, str | None] | None:
+        return ui_links(self.uri, self.experiment_id, self.run_id) if self.run_id else None
 
     # --- the run ----------------------------------------------------------------------------------
     def start(self, run_name: str, params: dict[str, str], tags: dict[str, str], description: str = "") -> None:

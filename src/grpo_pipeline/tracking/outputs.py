@@ -42,9 +42,20 @@ class RunResult:
     startup_seconds: float = 0.0  # from the start to the first training step (loading, the "before" evaluation)
     ledger_seconds: float = 0.0  # time spent writing the episode ledger
     eval_reward: str | None = None  # what the held-out scores are: env | total (eval.reward); None: no held-out set
+    mlflow_ui: dict | None = None  # the MLflow UI's pages of the run (tracking/mlflow_run.ui_links)
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
+
+
+def end_lines(result: RunResult) -> str:
+    """What a run prints at its end: where its files are and its pages in the MLflow UI."""
+    lines = [f"Run dir: {result.run_dir}", f"Summary: {result.run_dir}/summary.json"]
+    ui = result.mlflow_ui
+    if ui:
+        lines.append(f"MLflow UI (serve it with: {ui['serve']}):" if ui["serve"] else "MLflow UI:")
+        lines += [f"  the experiment's runs: {ui['experiment_runs']}", f"  this run:              {ui['run']}"]
+    return "\n".join(lines)
 
 
 def log_eval(tracker: Tracker, prefix: str, metrics: dict, step: int, now: bool = False) -> None:
