@@ -6,6 +6,7 @@ import json
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from conftest import run_cli, tiny_overrides
 from grpo_pipeline import recipe
@@ -64,3 +65,45 @@ def test_plan_prints_the_plan_and_trains_nothing(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "Run plan (plan.json):" in done.stdout and "backend" in done.stdout and "step" in done.stdout
     assert not (tmp_path / "run" / "model").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_learning_rate_follows_the_model_and_the_fine_tuning_mode(compose_cfg, caplog):
+    """SmolLM2 + LoRA keeps the rate tuned for it; any other model, or SmolLM2 fully fine-tuned, gets its mode's
+    generic rate; a rate given wins; the applied config is what TRL receives."""
+    from grpo_pipeline.config.grpo_args import build_grpo_config
+    from grpo_pipeline.config.plan import FULL_LR, LORA_LR, recipe_choices
+
+    def lr(overrides):
+        cfg = compose_cfg([*overrides, "output_dir=/tmp/x"])
+        recipe, lines = recipe_choices(cfg)
+        line = next(c for c in lines if c.key == "training.learning_rate")
+        return recipe.get("training.learning_rate", cfg.training.learning_rate), line.why
+
+    assert lr([]) == (3e-4, "conf/recipe/smollm2_135m_default.yaml: tuned for smollm2_135m with LoRA")
+    hub = ["model=hub", "model.name_or_path=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"]
+    value, why = lr([*hub, "lora=off"])
+    assert value == FULL_LR == 1e-5 and "full fine-tuning of hub, not tuned here" in why
+    assert lr([*hub, "lora=default"])[0] == LORA_LR == 1e-4
+    assert lr(["lora=off"])[0] == FULL_LR  # SmolLM2's 3e-4 was tuned with LoRA only
+    assert lr([*hub, "training.learning_rate=2e-6"]) == (2e-6, "training.learning_rate")
+    cfg = compose_cfg([*hub, "lora=off", "output_dir=/tmp/x"])
+    applied = cfg.copy()
+    for key, v in recipe_choices(cfg)[0].items():
+        OmegaConf.update(applied, key, v)
+    assert build_grpo_config(applied, "/tmp/x/ck", [1.0], False).learning_rate == 1e-5
+
+
+def test_epochs_decide_when_given_and_a_step_bound_says_it_wins(compose_cfg, caplog):
+    from grpo_pipeline.config.plan import STEPS, recipe_choices
+
+    def steps(overrides):
+        return recipe_choices(compose_cfg([*overrides, "output_dir=/tmp/x"]))
+
+    out, _ = steps([])
+    assert out["training.max_steps"] == STEPS == 50 and out["training.num_epochs"] == 1.0
+    out, lines = steps(["training.num_epochs=3"])
+    assert out["training.max_steps"] == -1 and "training.num_epochs=3 decides" in lines[-1].why
+    with caplog.at_level("WARNING"):
+        out, lines = steps(["training.num_epochs=3", "training.max_steps=20"])
+    assert "training.max_steps" not in out and "training.num_epochs=3 is ignored" in caplog.text
+    assert steps(["env=hotel"])[0].get("training.max_steps") is None  # hotel's recipe: 80 steps

@@ -527,12 +527,13 @@ def _save_interrupted(trainer, run_dir: Path) -> None:
 
 def _result(run: Run, trainer, model_path, eval_before, eval_after, train_seconds, validation, stop) -> RunResult:
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    scored = [r for r in rewards if r is not None and r == r]  # a step whose episodes all failed has none (TRL: NaN)
     v = validation
     return RunResult(
         run_dir=str(run.run_dir), model_path=model_path, num_samples=len(run.split.train),
         num_epochs=float(trainer.state.epoch or 0.0), steps=trainer.state.global_step,
-        first_reward=rewards[0] if rewards else None, last_reward=rewards[-1] if rewards else None,
-        average_reward=sum(rewards) / len(rewards) if rewards else None,
+        first_reward=scored[0] if scored else None, last_reward=scored[-1] if scored else None,
+        average_reward=sum(scored) / len(scored) if scored else None,
         eval_before=eval_before, eval_after=eval_after, mlflow_run_id=run.tracker.run_id,
         wall_time_s=round(time.monotonic() - run.started, 1), train_seconds=round(train_seconds, 2), rewards=rewards,
         best_step=v.best_step if v else None, best_val=v.best_score if v else None,

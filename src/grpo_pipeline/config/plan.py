@@ -50,6 +50,7 @@ class RunPlan:
     train_prompts: int
     val_prompts: int
     test_prompts: int
+    recipe: dict[str, Any] = field(default_factory=dict)  # training.learning_rate, .max_steps, .num_epochs
     choices: tuple[Choice, ...] = field(default=())
 
     @property
@@ -61,9 +62,9 @@ class RunPlan:
         return self.backend == "runtime+vllm"
 
     def applied(self, cfg: DictConfig) -> DictConfig:
-        """A copy of `cfg` with the fitted step shape (the config given is not changed)."""
+        """A copy of `cfg` with the recipe's choices and the fitted step shape (the config given is not changed)."""
         out = copy.deepcopy(cfg)
-        for key, value in self.step.items():
+        for key, value in {**self.recipe, **self.step}.items():
             OmegaConf.update(out, key, value)
         return out
 
@@ -138,6 +139,8 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
                               f"{'the env' if env_tokens else 'generation.max_new_tokens'}); at most "
                               f"{max_episode_tokens} tokens an episode (runtime.max_episode_tokens)"))
 
+    recipe, recipe_lines = recipe_choices(cfg)
+    choices += recipe_lines
     step, said = fit_step(cfg, len(split.train), env_name)
     shape = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in step.items())
     choices.append(Choice("step", shape, said or "as configured"))
@@ -156,7 +159,48 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
                    generation_dtype=dtype, merged_generation=bool(merged), packed_generation=packed,
                    weight_sync=sync, max_turns=max_turns, turn_tokens=turn_tokens,
                    max_episode_tokens=max_episode_tokens, step=step, train_prompts=len(split.train),
-                   val_prompts=n_val, test_prompts=n_test, choices=tuple(choices))
+                   val_prompts=n_val, test_prompts=n_test, recipe=recipe, choices=tuple(choices))
+
+
+STEPS = 50  # training.max_steps=null without num_epochs: the default run's length (~9-12 min, docs/results.md)
+LORA_LR = 1e-4  # a LoRA rate for a model nobody tuned here: ~10x full fine-tuning's (Schulman et al. 2025,
+# "LoRA Without Regret": LoRA's best RL rate sits about an order of magnitude above full fine-tuning's)
+FULL_LR = 1e-5  # full fine-tuning: the 1e-6..1e-5 class GRPO guides start from (the seed documents: "start at 1e-5")
+
+
+def recipe_choices(cfg) -> tuple[dict[str, Any], list[Choice]]:
+    """The learning rate and the run's length where the config leaves them null, from the model and the
+    fine-tuning mode: a conf/recipe/<model>_<lora>.yaml sets what was tuned for that pair (cfg.recipe names it);
+    any other model gets a generic rate for its mode, never the one tuned for SmolLM2."""
+    train, out, lines = cfg.training, {}, []
+    mode = "LoRA" if cfg.lora.enabled else "full fine-tuning"
+    if train.learning_rate is None:
+        lr = LORA_LR if cfg.lora.enabled else FULL_LR
+        out["training.learning_rate"] = lr
+        lines.append(Choice("training.learning_rate", lr, f"{mode} of {cfg.model.name}, not tuned here: "
+                            + ("LoRA's rate (~10x full fine-tuning's)" if cfg.lora.enabled else
+                               "the 1e-6..1e-5 class GRPO guides start from") + "; set training.learning_rate"))
+    else:
+        lines.append(Choice("training.learning_rate", train.learning_rate,
+                            f"conf/recipe/{cfg.recipe}.yaml: tuned for {cfg.model.name} with {mode}" if cfg.recipe
+                            else "training.learning_rate"))
+    if train.max_steps is None:
+        steps = -1 if train.num_epochs is not None else STEPS
+        out["training.max_steps"] = steps
+        if train.num_epochs is None:
+            out["training.num_epochs"] = 1.0
+        lines.append(Choice("training.max_steps", steps, f"training.num_epochs={train.num_epochs:g} decides"
+                            if steps < 0 else "the default length (training.num_epochs or training.max_steps "
+                            "sets another)"))
+    elif train.max_steps > 0 and train.num_epochs is not None:
+        log.warning("training.num_epochs=%g is ignored: training.max_steps=%d bounds the run (as in transformers). "
+                    "Set training.max_steps=-1 (or leave it null) to train by epochs.", train.num_epochs,
+                    train.max_steps)
+        lines.append(Choice("training.max_steps", train.max_steps, f"given; training.num_epochs={train.num_epochs:g}"
+                            " is ignored"))
+    elif train.num_epochs is None:
+        out["training.num_epochs"] = 1.0
+    return out, lines
 
 
 def _eval_reward_why(cfg) -> str:

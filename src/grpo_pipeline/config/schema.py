@@ -140,13 +140,15 @@ class RewardConfig:
 
 @dataclass
 class TrainingConfig:
-    learning_rate: float = 1e-5
+    # null: the plan chooses from the model and the fine-tuning mode (config/plan.py, recipe_choices): what a
+    # conf/recipe/<model>_<lora>.yaml tuned, else LoRA 1e-4 / full fine-tuning 1e-5.
+    learning_rate: float | None = None
     lr_scheduler_type: str = "constant"
     # An int >= 1 is a number of steps; a float < 1 a share of all steps.
     warmup_steps: float = 0.0
-    # -1: run num_epochs over the training split.
-    max_steps: int = -1
-    num_epochs: float = 1.0
+    # -1: run num_epochs over the training split. null: 50 steps, or num_epochs's epochs when that is set.
+    max_steps: int | None = None
+    num_epochs: float | None = None
     # Completions per device per optimizer step (TRL's per_device_train_batch_size).
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -312,6 +314,8 @@ class TrainConfig:
     check: CheckConfig = field(default_factory=CheckConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     seed: int = 42
+    # Set by conf/recipe/<model>_<lora>.yaml (what was tuned for that model and mode); null: none applies.
+    recipe: str | None = None
     # Where this job writes (Hydra's run dir by default).
     output_dir: str = MISSING
     # null: a new run | auto: continue output_dir from its latest checkpoint, if any |

@@ -60,7 +60,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if loss.entropy_target is not None and loss.entropy_target <= 0:
         p.append(f"loss.entropy_target={loss.entropy_target}: must be > 0 (mean token entropy in nats), or null.")
 
-    if train.learning_rate <= 0:
+    if train.learning_rate is not None and train.learning_rate <= 0:
         p.append(f"training.learning_rate={train.learning_rate}: must be > 0.")
     if train.batch_size < 1 or train.gradient_accumulation_steps < 1:
         p.append("training.batch_size and training.gradient_accumulation_steps must be >= 1.")
@@ -73,7 +73,7 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                 f"which generation.num_generations={gen.num_generations} does not divide. Make batch_size a "
                 "multiple of num_generations (each prompt's group must fit in one step)."
             )
-    if train.max_steps == 0 or (train.max_steps < 0 and train.num_epochs <= 0):
+    if train.max_steps == 0 or (train.num_epochs is not None and train.num_epochs <= 0):
         p.append("training.max_steps (or training.num_epochs when max_steps=-1) must be > 0.")
     if train.logging_steps < 1:
         p.append(f"training.logging_steps={train.logging_steps}: must be >= 1 (metrics every N steps; 1 logs each).")

@@ -11,13 +11,15 @@ def plot_rewards(rewards: list[float], path: Path, eval_before: dict | None = No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    rewards = [float("nan") if r is None else r for r in rewards]  # a step whose episodes all failed: no reward
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = range(1, len(rewards) + 1)
     ax.plot(steps, rewards, marker=".", alpha=0.5, label="train mean reward (per logging step)")
     window = max(1, len(rewards) // 8)
     if window > 1:
-        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        smooth = [np.nanmean(w) if not np.isnan(w := rewards[max(0, i - window + 1): i + 1]).all() else np.nan
                   for i in range(len(rewards))]
         ax.plot(steps, smooth, label=f"moving average ({window})")
     if validation:
