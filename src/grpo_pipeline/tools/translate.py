@@ -4,7 +4,11 @@
         --rl-env-config '{"max_turns": 5}' --rl-num-generations 4 --peft --lora-r 16
     grpo-pipeline translate --run -- <flags>      # print, then run them
 
-Every flag of that family is translated or rejected by name with the reason.
+Every flag of that family is translated or rejected by name with the reason. A flag not given takes the value
+it has in those documents (DOCUMENTED_DEFAULTS: loss grpo, lr 1e-5, 128 new tokens, top_k 50, kl 0.1, one epoch,
+batch 4, no dynamic sampling), so a translated command means what it meant there, not this project's recipe.
+`--rl-loss-type X` sets the loss type alone; `--loss-preset` (this translator's own flag) takes conf/loss/X.yaml
+whole (DAPO's clip-higher, no KL, masked truncation...).
 """
 
 import argparse
@@ -36,6 +40,29 @@ VALUE_FLAGS = {
     "--vllm-server-gpus": ("vllm.server_gpus", int),
     "--vllm-tensor-parallel-size": ("vllm.tensor_parallel_size", int),
 }
+# What a flag means when it is not given, in the documents those CLIs come from (their parameter tables and
+# Python API): our key -> value. Set explicitly so that neither train.yaml's recipe nor conf/tuned/ applies.
+DOCUMENTED_DEFAULTS = {
+    "generation.num_generations": 4,
+    "generation.max_new_tokens": 128,
+    "generation.temperature": 1.0,
+    "generation.top_k": 50,
+    "generation.top_p": 1.0,
+    "generation.oversample": 1,  # no dynamic sampling
+    "loss.kl_coef": 0.1,
+    "loss.clip_range": 0.2,
+    "loss.mask_truncated_completions": False,
+    "training.learning_rate": 1e-5,
+    "training.num_epochs": 1.0,
+    "training.batch_size": 4,
+}
+# What this project does on top, and how to turn it off (printed with the translation).
+ADDED_BEHAVIOURS = (
+    "a held-out split (10% of the prompts, at most 200 test + 32 validation) scored before and after training, "
+    "and validation every eval.every_steps choosing model/: eval.enabled=false turns both off",
+    "the episode ledger (every completion with its reward, <run dir>/episodes.jsonl): ledger.enabled=false",
+    "MLflow tracking (outputs/mlflow.db): tracking.enabled=false",
+)
 REJECTED = {
     "--data-path": "GRPO envs own their data: build_dataset(tokenizer) makes the dataset; drop the flag.",
 }
@@ -43,7 +70,10 @@ REJECTED = {
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="grpo-pipeline translate", add_help=False)
+    p.add_argument("task", nargs="?")  # `aitraining llm --train ...`: the positional task
     p.add_argument("--train", action="store_true")
+    p.add_argument("--project-name")
+    p.add_argument("--loss-preset", action="store_true")
     p.add_argument("--trainer")
     p.add_argument("--model")
     p.add_argument("--rl-env-module")
@@ -86,6 +116,8 @@ def translate(flags: list[str]) -> list[str]:
     for flag, reason in REJECTED.items():
         if flag[2:].replace("-", "_") in given:
             raise ConfigError(f"{flag} is not supported: {reason}")
+    if args.task not in (None, "llm"):
+        raise ConfigError(f"task {args.task!r} is not supported: this pipeline trains language models (llm) only.")
     if args.trainer not in (None, "grpo"):
         raise ConfigError(f"--trainer {args.trainer} is not supported: this pipeline trains GRPO only.")
     out: list[str] = []
@@ -97,10 +129,15 @@ def translate(flags: list[str]) -> list[str]:
         out += ["env=custom", f"env._target_={args.rl_env_module}.{args.rl_env_class}"]
     if args.rl_env_config is not None:
         out += _env_config(args.rl_env_config, custom=bool(args.rl_env_module))
-    if args.rl_loss_type:
-        if args.rl_loss_type not in LossType.__members__:
-            raise ConfigError(f"--rl-loss-type {args.rl_loss_type}: use one of {', '.join(LossType)}.")
-        out.append(f"loss={args.rl_loss_type}")
+    if args.project_name:
+        out.append(f"tracking.experiment_name={_value(args.project_name)}")
+    loss_type = args.rl_loss_type or "grpo"
+    if loss_type not in LossType.__members__:
+        raise ConfigError(f"--rl-loss-type {loss_type}: use one of {', '.join(LossType)}.")
+    if args.loss_preset:  # this project's preset for that loss, whole (its KL, clipping, masking)
+        out.append(f"loss={loss_type}")
+    else:  # the loss type alone, on the documents' defaults
+        out += ["loss=grpo"] + ([f"loss.loss_type={loss_type}"] if loss_type != "grpo" else [])
     if args.rl_mask_truncated_completions:
         out.append("loss.mask_truncated_completions=true")
     out += _vllm(args, given)
@@ -108,11 +145,16 @@ def translate(flags: list[str]) -> list[str]:
     if lora_flags and not args.peft:
         raise ConfigError(f"--{lora_flags[0].replace('_', '-')} needs --peft (LoRA is off without it).")
     out.append("lora=default" if args.peft else "lora=off")  # without --peft those CLIs fine-tune fully
-    if args.epochs is not None:
-        out.append("training.max_steps=-1")  # our default run is step-bounded; epochs decide here
+    out.append("training.max_steps=-1")  # epochs decide, as there
+    set_keys = {o.split("=", 1)[0] for o in out}
     for flag, (key, _) in VALUE_FLAGS.items():
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not flag.startswith("--vllm"):
+            out.append(f"{key}={_value(value)}")
+            set_keys.add(key)
+    preset = args.loss_preset  # a preset keeps its own KL, clipping and masking unless a flag sets them
+    for key, value in DOCUMENTED_DEFAULTS.items():
+        if key not in set_keys and not (preset and key.startswith("loss.")):
             out.append(f"{key}={_value(value)}")
     return out
 
@@ -158,5 +200,8 @@ def main(argv: list[str]) -> None:
     register_overrides(overrides)  # --rl-env-config '{"api_key": ...}': printed masked, run with the real value
     command = [sys.executable, "-m", "grpo_pipeline", *overrides]
     print("python -m grpo_pipeline " + " ".join(shlex.quote(mask_override(o)) for o in overrides))
+    print("Flags not given take the documents' defaults (above). This project adds:", file=sys.stderr)
+    for line in ADDED_BEHAVIOURS:
+        print(f"  - {line}", file=sys.stderr)
     if run:
         sys.exit(subprocess.call(command))
