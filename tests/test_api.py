@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from datasets import Dataset
 from mlflow.tracking import MlflowClient
 
@@ -35,6 +36,11 @@ def test_two_calls_in_one_process_give_two_runs(tmp_path, monkeypatch):
         assert r.eval_before["num_prompts"] == 4 and r.eval_after is not None
         assert r.first_reward is not None and r.average_reward is not None and r.num_epochs > 0
     assert first.mlflow_run_id != second.mlflow_run_id and first.run_dir != second.run_dir
+    # the seed documents' API reads the result as a mapping
+    assert first["model_path"] == first.model_path and first["num_epochs"] == first.num_epochs
+    assert dict(first)["average_reward"] == first.average_reward and "eval_after" in first
+    with pytest.raises(KeyError, match="'accuracy': a run result has run_dir, model_path"):
+        first["accuracy"]
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("grpo_pipeline").experiment_id])
     assert sorted(r.data.params["loss.loss_type"] for r in runs) == ["dapo", "grpo"]

@@ -2,7 +2,8 @@
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,11 @@ EVAL_REWARD = {"env": "eval.reward=env: the env's score alone",
                "total": "eval.reward=total: the reward training sums"}
 
 
-@dataclass
-class RunResult:
+@dataclass(eq=False)
+class RunResult(Mapping):
+    """A run's result: attributes (result.model_path) and, as in the seed documents' API, a read-only mapping
+    (result["model_path"], dict(result), "eval_after" in result)."""
+
     run_dir: str
     model_path: str | None
     num_samples: int
@@ -43,6 +47,20 @@ class RunResult:
     ledger_seconds: float = 0.0  # time spent writing the episode ledger
     eval_reward: str | None = None  # what the held-out scores are: env | total (eval.reward); None: no held-out set
     mlflow_ui: dict | None = None  # the MLflow UI's pages of the run (tracking/mlflow_run.ui_links)
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(f"{key!r}: a run result has {', '.join(self._keys())}")
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def _keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(self))
 
     def summary(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "rewards"} | {"reward_curve": self.rewards}
