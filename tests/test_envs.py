@@ -122,3 +122,55 @@ def test_shipped_code_never_evals_model_output():
     for path in src.rglob("*.py"):
         code = path.read_text()
         assert not re.search(r"(?<![\w.])(eval|exec)\(", code), f"{path} calls eval/exec"
+
+
+def test_tool_schemas_reach_text_prompts_and_templates_without_tools(tokenizer, caplog):
+    """get_tools() is never dropped: the template renders it where it can (chat prompts on a template with tools),
+    otherwise a plain tools preamble is written into every prompt; the log says which."""
+    from datasets import Dataset
+
+    from grpo_pipeline.prompts import place_tools
+
+    tools = HotelEnv().get_tools()
+    text = Dataset.from_list([{"prompt": "Book me a room in Lisbon.", "want": "x"}])
+    with caplog.at_level("WARNING"):
+        out = place_tools(text, tokenizer, tools, "TextEnv")
+    prompt = out[0]["prompt"]
+    assert prompt.startswith("# Tools") and prompt.endswith("\n\nBook me a room in Lisbon.")
+    assert '"name": "book_room"' in prompt and "<tool_call>" in prompt and out[0]["want"] == "x"
+    assert "TextEnv.get_tools(): 2 schema(s) written into every prompt as a tools preamble (the prompts are text)" \
+        in caplog.text
+
+    chat = Dataset.from_list([{"prompt": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Book."}]}])
+    assert place_tools(chat, tokenizer, tools, "ChatEnv")[0]["prompt"] == chat[0]["prompt"]  # the template's job
+    plain = build_tiny_tokenizer()
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        system = place_tools(chat, plain, tools, "ChatEnv")[0]["prompt"]
+    assert system[0]["role"] == "system" and system[0]["content"].startswith("# Tools")
+    assert system[0]["content"].endswith("\n\nBe brief.") and system[1:] == chat[0]["prompt"][1:]
+    assert "the model's chat template does not render tools" in caplog.text
+    no_system = Dataset.from_list([{"prompt": [{"role": "user", "content": "Book."}]}])
+    added = place_tools(no_system, plain, tools, "ChatEnv")[0]["prompt"]
+    assert [m["role"] for m in added] == ["system", "user"]
+    assert place_tools(chat, plain, tools, "HotelEnv", described=True)[0]["prompt"] == chat[0]["prompt"]
+
+
+def test_a_text_prompt_env_shows_the_model_its_tools_in_training(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.recipe import load_env_and_dataset
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text_tools.py").write_text(
+        "from datasets import Dataset\n"
+        "class TextTools:\n"
+        "    def build_dataset(self, tokenizer):\n"
+        "        return Dataset.from_list([{'prompt': f'Find room {i}'} for i in range(4)])\n"
+        "    def score_episode(self, model, tokenizer, completion):\n        return 0.5\n"
+        "    def get_tools(self):\n"
+        "        return [{'type': 'function', 'function': {'name': 'search_rooms', 'description': 'd',\n"
+        "                 'parameters': {'type': 'object', 'properties': {}}}}]\n")
+    cfg = compose_cfg(["model=tiny", "env=custom", "env._target_=text_tools.TextTools", f"output_dir={tmp_path}"])
+    _, _, dataset, _ = load_env_and_dataset(cfg, None, str(tmp_path), render_tools=False)
+    assert all(p.startswith("# Tools") and '"name": "search_rooms"' in p for p in dataset["prompt"])

@@ -1,5 +1,6 @@
 """Turning dataset prompts into model input, the same way for training, the env doctor and evaluation."""
 
+import json
 import logging
 
 from datasets import Dataset
@@ -20,21 +21,67 @@ def render_prompt(tokenizer, prompt, tools: list[dict] | None = None) -> tuple[s
     return text, True
 
 
+def tools_preamble(tools: list[dict]) -> str:
+    """The env's tool schemas as plain text, in the Hermes / Qwen2.5 tool-call format (what chat templates with
+    tool support render), for prompts that no chat template renders tools into."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>"
+            "\n\nFor each function call, return a json object with function name and arguments within "
+            '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+            "<args-json-object>}\n</tool_call>")
+
+
+def place_tools(dataset: Dataset, tokenizer, tools: list[dict], env_name: str, described: bool = False) -> Dataset:
+    """Where the env's `get_tools()` schemas go, decided once for the whole run and said in the log: chat prompts
+    on a template that renders tools keep them for the template (`tools=`, at render time); text prompts, and chat
+    prompts on a template without tools (SmolLM2's), get them written into the prompt as a plain tools preamble
+    (a text prompt starts with it; a chat prompt's system message does, or a system message is added), so that
+    training, evaluation, the ledger and the doctor all show the model the same prompt. An env whose prompts
+    already describe its tools (`describes_tools = True`, e.g. hotel's system prompt) gets no preamble."""
+    if not tools or len(dataset) == 0:
+        return dataset
+    chat = not isinstance(dataset[0]["prompt"], str)
+    if chat and supports_tools(tokenizer):
+        log.warning("%s.get_tools(): %d schema(s) rendered by the model's chat template (tools=).", env_name,
+                    len(tools))
+        return dataset
+    if described:
+        log.warning("%s.get_tools(): %d schema(s) not added to the prompts: %s, and %s.describes_tools says its prompts "
+                    "describe the tools.", env_name, len(tools), "the prompts are text" if not chat else
+                    "the model's chat template does not render tools", env_name)
+        return dataset
+    preamble = tools_preamble(tools)
+
+    def add(prompt):
+        if isinstance(prompt, str):
+            return f"{preamble}\n\n{prompt}"
+        messages = [dict(m) for m in prompt]
+        if messages and messages[0].get("role") == "system":
+            messages[0]["content"] = f"{preamble}\n\n{messages[0].get('content') or ''}"
+        else:
+            messages.insert(0, {"role": "system", "content": preamble})
+        return messages
+
+    log.warning("%s.get_tools(): %d schema(s) written into every prompt as a tools preamble (%s).", env_name,
+                len(tools), "the prompts are text" if not chat else "the model's chat template does not render tools")
+    return _with_prompts(dataset, [add(p) for p in dataset["prompt"]])
+
+
 def attach_tools(dataset: Dataset, tokenizer, tools: list[dict], env_name: str) -> Dataset:
     """Give the env's tool schemas to the chat template: chat prompts are rendered once, here, with
-    `tools=`, into text prompts (TRL then tokenizes them as they are)."""
-    if not tools:
+    `tools=`, into text prompts (TRL then tokenizes them as they are). Prompts that place_tools wrote the
+    schemas into (no template tool support) pass unchanged."""
+    if not tools or not supports_tools(tokenizer):
         return dataset
-    if not supports_tools(tokenizer):
-        log.warning(
-            "%s.get_tools() returned %d schemas, but the model's chat template does not render tools: the schemas "
-            "are not shown to the model (describe the tools in the prompt, or use a model whose template has tools).",
-            env_name,
-            len(tools),
-        )
-        return dataset
-    rendered = [render_prompt(tokenizer, prompt, tools)[0] for prompt in dataset["prompt"]]
-    return dataset.remove_columns("prompt").add_column("prompt", rendered)
+    return _with_prompts(dataset, [render_prompt(tokenizer, prompt, tools)[0] for prompt in dataset["prompt"]])
+
+
+def _with_prompts(dataset: Dataset, prompts: list) -> Dataset:
+    """`dataset` with its prompt column replaced (a dataset of prompts only has no rows once the column is gone)."""
+    if dataset.column_names == ["prompt"]:
+        return Dataset.from_dict({"prompt": prompts})
+    return dataset.remove_columns("prompt").add_column("prompt", prompts)
 
 
 _PLACEHOLDER = "\ue000"  # a private-use character: stands for the assistant turn the model already sampled

@@ -35,7 +35,7 @@ from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split_heldout
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
-from grpo_pipeline.prompts import attach_tools
+from grpo_pipeline.prompts import attach_tools, place_tools
 from grpo_pipeline.rewards.assemble import build_rewards
 from grpo_pipeline.rollout.turns import make_rollout
 from grpo_pipeline.tracking.ledger import heldout_scores
@@ -343,6 +343,9 @@ def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | Non
     tokenizer = load_tokenizer(cfg.model)
     tool_functions = get_tool_functions(env, tokenizer)
     dataset = build_env_dataset(env, tokenizer)
+    if not tool_functions:  # the schemas of get_tools(): the template's, or a preamble in every prompt (prompts.py)
+        dataset = place_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__,
+                              described=bool(getattr(env, "describes_tools", False)))
     if render_tools and not tool_functions:  # with tool functions TRL renders the prompts with their schemas
         dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__)
     return env, tokenizer, dataset, tool_functions

@@ -87,6 +87,8 @@ class HotelEnv:
                 }
         self.seed = seed
 
+    describes_tools = True  # SYSTEM names both tools and the call format: no tools preamble on templates without tools
+
     def get_tools(self) -> list[dict]:
         def fn(name, description, properties, required):
             return {

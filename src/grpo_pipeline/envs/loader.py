@@ -8,6 +8,8 @@ The contract (what a user writes):
         def score_episode(self, model, tokenizer, completion, **extra_columns) -> float  # in [0, 1]
         def get_tools(self) -> list[dict]                      # optional, OpenAI function-calling schemas
         thread_safe = True                                      # optional; False scores one episode at a time
+        describes_tools = False                                 # optional; True: the prompts already describe
+                                                                # the tools (no preamble where no template renders them)
 
 The `env` node is instantiated with Hydra's semantics: nested `_target_` nodes become objects (a nested
 `_partial_: true` gives a callable), `_args_` are positional arguments, plain dicts and lists arrive as
