@@ -26,6 +26,7 @@ def test_every_loss_trains_one_step_and_reaches_trl(compose_cfg, tmp_path, loss)
     assert args.beta == cfg.loss.kl_coef and args.epsilon == cfg.loss.clip_range
     assert args.epsilon_high == cfg.loss.epsilon_high  # TRL uses epsilon when None
     assert args.mask_truncated_completions == cfg.loss.mask_truncated_completions
+    assert args.importance_sampling_level == cfg.loss.importance_sampling_level
 
 
 def test_loss_options_carry_their_papers_settings(compose_cfg, tmp_path):

@@ -101,3 +101,39 @@ def test_another_trl_minor_fails_at_import_with_the_tested_one_named():
     from grpo_pipeline.training.trainer import check_trl
 
     check_trl("1.16.3")  # any patch release of the tested minor
+
+
+def test_trl_1_16_options_map_onto_trl(compose_cfg, tmp_path):
+    """TRL 1.16's loss types and options: the presets cite their papers' settings, every key reaches GRPOConfig,
+    and use_bias_correction_kl is this project's explicit choice, not TRL's default of the day."""
+    luspo = build_grpo_config(compose_cfg(["loss=luspo", f"output_dir={tmp_path}"]), str(tmp_path), [1.0])
+    assert (luspo.loss_type, luspo.importance_sampling_level, luspo.epsilon, luspo.epsilon_high, luspo.beta) == (
+        "luspo", "sequence", 3e-4, 4e-4, 0.0)
+    vespo = build_grpo_config(compose_cfg(["loss=vespo", f"output_dir={tmp_path}"]), str(tmp_path), [1.0])
+    assert (vespo.loss_type, vespo.importance_sampling_level, vespo.vespo_k_pos, vespo.vespo_lambda_neg) == (
+        "vespo", "token", 2.0, 2.0)
+    cfg = compose_cfg(["loss=grpo", "loss.kl_bias_correction=false", "loss.top_entropy_quantile=0.2",
+                       "loss.delta=1.5", "loss.off_policy_mask_threshold=0.5", "loss.importance_sampling_level=sequence",
+                       "reward=combined", "reward.aggregation=normalize_then_sum", f"output_dir={tmp_path}"])
+    args = build_grpo_config(cfg, str(tmp_path), [1.0, 0.2])
+    assert args.use_bias_correction_kl is False and args.top_entropy_quantile == 0.2 and args.delta == 1.5
+    assert args.off_policy_mask_threshold == 0.5 and args.importance_sampling_level == "sequence"
+    assert args.multi_objective_aggregation == "normalize_then_sum"
+    default = build_grpo_config(compose_cfg([f"output_dir={tmp_path}"]), str(tmp_path), [1.0])
+    assert default.use_bias_correction_kl is True and default.multi_objective_aggregation == "sum_then_normalize"
+
+
+def test_trl_1_16_options_are_checked_by_name(compose_cfg, tmp_path):
+    from grpo_pipeline.config.validate import config_problems
+
+    def problems(*overrides):
+        return " ".join(config_problems(compose_cfg([*overrides, f"output_dir={tmp_path}"])))
+
+    assert "loss.top_entropy_quantile=0.0: must be in (0, 1]" in problems("loss.top_entropy_quantile=0")
+    assert "loss.delta=1.1: must be > 1 + loss.clip_range=1.2" in problems("loss.delta=1.1")
+    assert "loss.loss_type=luspo needs loss.importance_sampling_level=sequence" in problems("loss.loss_type=luspo")
+    assert "loss.loss_type=vespo computes its sequence weights itself" in problems(
+        "loss=vespo", "loss.importance_sampling_level=sequence")
+    assert "reward.aggregation=normalize_then_sum normalises each of several rewards" in problems(
+        "reward.aggregation=normalize_then_sum")
+    assert problems("loss=luspo") == "" and problems("loss=vespo") == ""

@@ -2,7 +2,9 @@
 
 User-facing names map onto TRL's: kl_coef -> beta, clip_range -> epsilon, max_new_tokens ->
 max_completion_length, batch_size -> per_device_train_batch_size, num_epochs -> num_train_epochs,
-vllm.mode (off|colocate|server) -> use_vllm + vllm_mode.
+loss.kl_bias_correction -> use_bias_correction_kl, reward.aggregation -> multi_objective_aggregation,
+vllm.mode (off|colocate|server) -> use_vllm + vllm_mode; loss.importance_sampling_level, top_entropy_quantile,
+delta, off_policy_mask_threshold and vespo_* keep TRL's names.
 """
 
 from typing import Any
@@ -45,7 +47,17 @@ def grpo_kwargs(cfg: TrainConfig, output_dir: str, reward_weights: list[float] |
         "use_adaptive_entropy": loss.entropy_target is not None,
         "entropy_coef_delta": loss.entropy_coef_delta,
         **({"entropy_target": loss.entropy_target} if loss.entropy_target is not None else {}),
+        "use_bias_correction_kl": loss.kl_bias_correction,
+        "importance_sampling_level": str(loss.importance_sampling_level),
+        "top_entropy_quantile": loss.top_entropy_quantile,
+        "delta": loss.delta,
+        "off_policy_mask_threshold": loss.off_policy_mask_threshold,
+        "vespo_k_pos": loss.vespo_k_pos,
+        "vespo_lambda_pos": loss.vespo_lambda_pos,
+        "vespo_k_neg": loss.vespo_k_neg,
+        "vespo_lambda_neg": loss.vespo_lambda_neg,
         "reward_weights": reward_weights,
+        "multi_objective_aggregation": str(cfg.reward.aggregation),
         # optimisation
         "learning_rate": train.learning_rate,
         "lr_scheduler_type": train.lr_scheduler_type,

@@ -25,7 +25,9 @@ def _choices(name: str, *values: str) -> type[StrEnum]:
 
 ModelSource = _choices("ModelSource", "tiny", "hub", "gguf")
 DType = _choices("DType", "float32", "bfloat16", "float16")
-LossType = _choices("LossType", "grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # TRL's loss_type
+LossType = _choices("LossType", "grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL's
+ImportanceSampling = _choices("ImportanceSampling", "token", "sequence")  # TRL's importance_sampling_level
+Aggregation = _choices("Aggregation", "sum_then_normalize", "normalize_then_sum")  # multi_objective_aggregation
 ScaleRewards = _choices("ScaleRewards", "group", "batch", "none")
 VllmMode = _choices("VllmMode", "off", "colocate", "server")
 WeightSync = _choices("WeightSync", "weights", "adapter")
@@ -79,7 +81,7 @@ class GenerationConfig:
 
 @dataclass
 class LossConfig:
-    # TRL's loss_type: grpo | dr_grpo | dapo | bnpo | cispo | sapo
+    # TRL's loss_type: grpo | dr_grpo | dapo | bnpo | cispo | sapo | luspo | vespo
     loss_type: LossType = LossType.dapo
     # KL penalty towards the reference model (TRL's beta). 0 skips the reference model.
     kl_coef: float = 0.0
@@ -98,6 +100,27 @@ class LossConfig:
     entropy_coef: float = 0.0
     entropy_target: float | None = None
     entropy_coef_delta: float = 0.005
+    # The KL term multiplied by the importance ratio, so its gradient is the unbiased reverse-KL one (DeepSeek-V3.2,
+    # arXiv:2512.02556; TRL's use_bias_correction_kl). Matters only with kl_coef > 0. True, as TRL 1.16's default
+    # and every run measured here; explicit so that another TRL's default cannot change a run.
+    kl_bias_correction: bool = True
+    # token: a ratio per token (PPO/GRPO); sequence: one ratio per completion, the mean of its tokens' log-ratios
+    # (GSPO, arXiv:2507.18071; luspo needs it).
+    importance_sampling_level: ImportanceSampling = ImportanceSampling.token
+    # Train only on the completions' top share of tokens by entropy (0.2: the 20% highest-entropy "forking"
+    # tokens, Wang et al. 2025, arXiv:2506.01939). 1.0: every token.
+    top_entropy_quantile: float = 1.0
+    # Two-sided clipping: the ratio is also capped at delta (INTELLECT-2, arXiv:2505.07291; > 1 + clip_range).
+    delta: float | None = None
+    # Off-policy sequence masking: completions with a negative advantage whose mean KL to the sampler exceeds this
+    # leave the loss (DeepSeek-V3.2, arXiv:2512.02556, its delta; e.g. 0.5). null: off.
+    off_policy_mask_threshold: float | None = None
+    # VESPO's Gamma weighting (loss_type=vespo; TRL 1.16's defaults): power k and decay lambda for positive and
+    # negative advantages.
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
 
 @dataclass
@@ -136,6 +159,10 @@ class RewardConfig:
     env_weight: float = 1.0
     # name -> {_target_: a reward callable, weight: float, **kwargs}
     components: dict[str, Any] = field(default_factory=dict)
+    # How several rewards become one advantage (TRL's multi_objective_aggregation): sum_then_normalize (the weighted
+    # sum, normalised per group) or normalize_then_sum (each reward normalised per group first, then the weighted
+    # sum normalised over the batch: GDPO, arXiv:2601.05242, so a reward with a wide range cannot drown the others).
+    aggregation: Aggregation = Aggregation.sum_then_normalize
 
 
 @dataclass

@@ -57,6 +57,22 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if loss.entropy_coef < 0 or loss.entropy_coef_delta < 0:
         p.append(f"loss.entropy_coef={loss.entropy_coef}, loss.entropy_coef_delta={loss.entropy_coef_delta}: must be "
                  ">= 0 (a bonus for entropy; 0 turns it off).")
+    if not 0 < loss.top_entropy_quantile <= 1:
+        p.append(f"loss.top_entropy_quantile={loss.top_entropy_quantile}: must be in (0, 1] (the share of tokens "
+                 "trained, by entropy; 1.0 trains every token).")
+    if loss.delta is not None and loss.delta <= 1 + loss.clip_range:
+        p.append(f"loss.delta={loss.delta}: must be > 1 + loss.clip_range={1 + loss.clip_range:g} (an upper cap on "
+                 "the ratio, above the clip), or null.")
+    if loss.off_policy_mask_threshold is not None and loss.off_policy_mask_threshold <= 0:
+        p.append(f"loss.off_policy_mask_threshold={loss.off_policy_mask_threshold}: must be > 0 (e.g. 0.5), or null.")
+    if loss.loss_type == "luspo" and loss.importance_sampling_level != "sequence":
+        p.append("loss.loss_type=luspo needs loss.importance_sampling_level=sequence (LUSPO is GSPO with a length "
+                 "scaling): use loss=luspo.")
+    if loss.loss_type == "vespo" and loss.importance_sampling_level != "token":
+        p.append("loss.loss_type=vespo computes its sequence weights itself: set loss.importance_sampling_level=token.")
+    if cfg.reward.aggregation == "normalize_then_sum" and not cfg.reward.components:
+        p.append("reward.aggregation=normalize_then_sum normalises each of several rewards: with the env's score "
+                 "alone it is sum_then_normalize with a batch-level scale. Use reward=combined, or leave it.")
     if loss.entropy_target is not None and loss.entropy_target <= 0:
         p.append(f"loss.entropy_target={loss.entropy_target}: must be > 0 (mean token entropy in nats), or null.")
 
