@@ -1,6 +1,8 @@
-"""A screenshot of a run's episode ledger as the MLflow UI shows it (headless Chromium).
+"""A screenshot of a run's episode ledger as the MLflow UI shows it (headless Chromium); with --page runs, of
+its experiment's runs view (the link a run prints at its end), with --page run of the run's own page.
 
     .venv/bin/python scripts/screenshot_ledger.py outputs/runs/<date>/<time> [--out docs/ledger_in_mlflow.png]
+    .venv/bin/python scripts/screenshot_ledger.py outputs/runs/<date>/<time> --page runs --out docs/runs_in_mlflow.png
 
 Starts `mlflow ui` on a free local port against the run's tracking store (the default SQLite store under
 outputs/, or --tracking-uri), waits until it answers, opens the run's `episodes.json` artifact (the table the
@@ -31,6 +33,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "ledger_in_mlflow.png")
     parser.add_argument("--tracking-uri", default=f"sqlite:///{REPO / 'outputs' / 'mlflow.db'}")
     parser.add_argument("--wait-ms", type=int, default=20000, help="time the page gets to render")
+    parser.add_argument("--page", choices=["ledger", "runs", "run"], default="ledger")
     args = parser.parse_args()
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
@@ -43,7 +46,8 @@ def main() -> int:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(f"http://127.0.0.1:{port}/health", server)
-        url = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{run_id}/artifacts/episodes.json"
+        url = f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs"
+        url += {"ledger": f"/{run_id}/artifacts/episodes.json", "runs": "?viewStateShareKey=grpo_pipeline", "run": f"/{run_id}"}[args.page]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as profile:
             subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1600,1000",

@@ -182,15 +182,19 @@ def test_the_end_of_a_run_prints_the_mlflow_ui_pages_of_its_experiment_runs_and_
     (run,) = client.search_runs([experiment.experiment_id])
     runs_view = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs"
     assert f"MLflow UI (serve it with: mlflow ui --backend-store-uri sqlite:///{tmp_path / 'mlflow.db'}):" in proc.stdout
-    assert f"  the experiment's runs: {runs_view}\n" in proc.stdout
+    assert f"  the experiment's runs: {runs_view}?viewStateShareKey=grpo_pipeline\n" in proc.stdout
     assert f"  this run:              {runs_view}/{run.info.run_id}\n" in proc.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["mlflow_ui"]["run"] == f"{runs_view}/{run.info.run_id}"
+    # the view the link opens: the reward and the held-out gain as columns (docs/runs_in_mlflow.png)
+    view = json.loads(experiment.tags["mlflow.sharedViewState.grpo_pipeline"])
+    assert {"metrics.`reward`", "metrics.`eval_after/gain`"} <= set(view["selectedColumns"])
 
 
 def test_ui_links_of_a_tracking_server_are_its_own_pages_without_credentials():
     from grpo_pipeline.tracking.mlflow_run import ui_links
 
     links = ui_links("https://alice:s3cret@mlflow.example.org/base/", "7", "abc123")
-    assert links == {"experiment_runs": "https://mlflow.example.org/base/#/experiments/7/runs",
+    assert links == {"experiment_runs": "https://mlflow.example.org/base/#/experiments/7/runs"
+                                        "?viewStateShareKey=grpo_pipeline",
                      "run": "https://mlflow.example.org/base/#/experiments/7/runs/abc123", "serve": None}

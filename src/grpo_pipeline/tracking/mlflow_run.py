@@ -6,7 +6,8 @@ refuses a plain file store); artifacts go to `outputs/mlartifacts`. Open the UI 
 
     mlflow ui --backend-store-uri sqlite:///outputs/mlflow.db
 
-and go to the links a run prints at its end (`ui_links`): the experiment's runs view and the run's page.
+and go to the links a run prints at its end (`ui_links`): the experiment's runs view (with the reward and
+held-out gain as columns) and the run's page.
 
 Metrics go through a background `MetricWriter` (retries, grace period). With checkpoints on, a step's
 metrics reach MLflow once a checkpoint covers it; TRL's `trainer_state.json` in each checkpoint holds the
@@ -34,6 +35,14 @@ _MAX_TAG_LEN = 5000
 # MLflow 3 opens new experiments in its GenAI view unless told they hold model training runs.
 _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
+# The runs view's columns, as a view the UI loads from an experiment tag (MLflow 3.17's shared views:
+# `?viewStateShareKey=<key>` reads `mlflow.sharedViewState.<key>`): the reward and the held-out gain at a glance.
+VIEW_KEY = "grpo_pipeline"
+_RUNS_VIEW = (f"mlflow.sharedViewState.{VIEW_KEY}", json.dumps({
+    "selectedColumns": [f"metrics.`{m}`" for m in ("reward", "eval_after/mean_reward", "eval_after/gain",
+                                                   "eval_after/gain_se", "eval_val/mean_reward",
+                                                   "eval_val/kl_to_base")],
+    "orderByKey": "attributes.start_time", "orderByAsc": False}))
 
 
 class TrackingError(PipelineError):
@@ -53,7 +62,7 @@ def ui_links(uri: str, experiment_id: str, run_id: str) -> dict[str, str | None]
     else:
         base = LOCAL_UI
     runs = f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs"
-    return {"experiment_runs": runs, "run": f"{runs}/{run_id}",
+    return {"experiment_runs": f"{runs}?viewStateShareKey={VIEW_KEY}", "run": f"{runs}/{run_id}",
             "serve": None if served else f"mlflow ui --backend-store-uri {mask_secrets(uri)}"}
 
 
@@ -128,11 +137,12 @@ class Tracker:
             experiment = self.client.get_experiment_by_name(cfg.experiment_name)
             if experiment is None:
                 self.experiment_id = self.client.create_experiment(
-                    cfg.experiment_name, artifact_location=artifacts, tags=dict([_EXPERIMENT_KIND]))
+                    cfg.experiment_name, artifact_location=artifacts, tags=dict([_EXPERIMENT_KIND, _RUNS_VIEW]))
             else:
                 self.experiment_id = experiment.experiment_id
-                if _EXPERIMENT_KIND[0] not in experiment.tags:
-                    self.client.set_experiment_tag(self.experiment_id, *_EXPERIMENT_KIND)
+                for key, value in (_EXPERIMENT_KIND, _RUNS_VIEW):
+                    if key not in experiment.tags:
+                        self.client.set_experiment_tag(self.experiment_id, key, value)
         except Exception as e:
             raise ConfigError(
                 f"tracking.tracking_uri='{mask_secrets(self.uri)}' is not usable ({e.__class__.__name__}: "
