@@ -5,34 +5,31 @@ row with a KV cache of --context tokens; each figure is the median of --repeats 
 each copy's log-probs are from fp32's: the mean |log p - log p_fp32| of the next token over the rendered prompts of
 env=arithmetic (teacher-forced; what a sampler's mismatch costs the loss's ratio).
 
-    .venv/bin/python scripts/bench_decode.py                 # 8 and 32 rows
-    .venv/bin/python scripts/bench_decode.py --rows 8 --context 500
+    .venv/bin/python scripts/bench/decode.py                 # 8 and 32 rows
+    .venv/bin/python scripts/bench/decode.py --rows 8 --context 500
 """
 
 import argparse
 import copy
-import os
-import platform
 import statistics
-import time
 import warnings
 
+import harness
 import torch
 
 from grpo_pipeline.rollout.decode import growing_cache
 
 
-def step_ms(model, rows: int, context: int, repeats: int) -> float:
+def step_seconds(model, rows: int, context: int, repeats: int) -> float:
     ids = torch.randint(100, 1000, (rows, context))
     with torch.no_grad():
-        cache = growing_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)  # as the runtime
+        cache = [growing_cache(model(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values)]  # as the runtime
         token = torch.randint(100, 1000, (rows, 1))
-        times = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            cache = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
-            times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+
+        def step(_):
+            cache[0] = model(input_ids=token, past_key_values=cache[0], use_cache=True, logits_to_keep=1).past_key_values
+
+        return harness.median(step, repeats, warmup=0)  # the prefill above warmed it up
 
 
 def logp_gap(model, reference, texts: list[list[int]]) -> float:
@@ -55,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.threads(args.threads)
     warnings.filterwarnings("ignore")
 
     from grpo_pipeline.api import compose_config
@@ -74,15 +71,14 @@ def main() -> None:
     pack_linears(packed)
     models = {"fp32": fp32, "packed": packed, "bf16": copy.deepcopy(fp32).to(torch.bfloat16),
               "int8": torch.ao.quantization.quantize_dynamic(copy.deepcopy(fp32), {torch.nn.Linear}, dtype=torch.qint8)}
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
-          f"threads; SmolLM2-135M; one decode step, KV cache of {args.context} tokens")
+    harness.machine(f"SmolLM2-135M; one decode step, KV cache of {args.context} tokens")
     gaps = {name: logp_gap(model, fp32, texts) for name, model in models.items()}
     print("mean |log p - log p_fp32| per token: " + ", ".join(f"{name} {gap:.4f}" for name, gap in gaps.items()))
-    print(f"{'rows':>4} | " + " | ".join(f"{name:>8}" for name in models) + " | fp32 / packed, int8")
+    table = harness.Table("rows", *models, "fp32 / packed", "fp32 / int8")
     for rows in args.rows:
-        ms = {name: step_ms(model, rows, args.context, args.repeats) for name, model in models.items()}
-        print(f"{rows:>4} | " + " | ".join(f"{v:6.1f}ms" for v in ms.values()) + f" | {ms['fp32'] / ms['packed']:.2f}x, "
-              f"{ms['fp32'] / ms['int8']:.2f}x")
+        s = {name: step_seconds(model, rows, args.context, args.repeats) for name, model in models.items()}
+        table.row(rows, *map(harness.ms, s.values()), harness.ratio(s["fp32"], s["packed"]),
+                  harness.ratio(s["fp32"], s["int8"]))
 
 
 if __name__ == "__main__":

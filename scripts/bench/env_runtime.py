@@ -5,7 +5,7 @@
 (c) a whole training step: the pipeline vs a plain GRPOTrainer script with a plain reward function, same
     GRPOConfig (pipeline overhead, goal <= 1.05x)
 
-    .venv/bin/python scripts/bench_env_runtime.py [--repeats 3] [--steps 30]
+    .venv/bin/python scripts/bench/env_runtime.py [--repeats 3] [--steps 30]
 """
 
 import argparse
@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 
+import harness
 import torch
 from transformers import TrainerCallback
 
@@ -42,12 +43,8 @@ class MultiTurnEnv:
 def time_scoring(env, model, tok, n: int, repeats: int, **runtime) -> float:
     runner = EpisodeRunner(env, tok, RuntimeConfig(**runtime), [])
     runner.bind(model)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.score([f"What is {i} + {i}?" for i in range(n)], [{}] * n)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.median(lambda _: runner.score([f"What is {i} + {i}?" for i in range(n)], [{}] * n), repeats,
+                          warmup=0)
 
 
 class StepTimer(TrainerCallback):
@@ -129,29 +126,35 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
+    harness.threads(args.threads)
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
     tok.padding_side = "left"
     model = load_model(ModelConfig(name="tiny", source="tiny"), tok).eval()
-    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    harness.machine("tiny model")
+    table = harness.Table(f"{'part: the baseline vs the runtime':<92}", "baseline", "runtime", "ratio", "goal")
 
     seq = time_scoring(SleepyEnv(), model, tok, 16, args.repeats, max_concurrency=1)
     con = time_scoring(SleepyEnv(), model, tok, 16, args.repeats, max_concurrency=16)
-    print(f"(a) I/O-bound, 16 x 50 ms: sequential {seq:.3f}s, concurrent {con:.3f}s -> {seq / con:.1f}x (goal >= 8x)")
+    table.row("(a) I/O-bound, 16 x 50 ms: sequential vs concurrent", f"{seq:.3f}s", f"{con:.3f}s",
+              harness.ratio(seq, con), ">= 8x")
 
     per_episode = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=1)
     threads = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=8, batch_generate=False)
     batched = time_scoring(MultiTurnEnv(), model, tok, 8, args.repeats, max_concurrency=8, batch_generate=True)
-    print(f"(b) multi-turn, 8 x 3 turns: per-episode {per_episode:.3f}s, threads without batching {threads:.3f}s, "
-          f"batched {batched:.3f}s -> {per_episode / batched:.1f}x vs per-episode (goal >= 3x)")
+    table.row("(b) multi-turn, 8 x 3 turns: per-episode vs threads without batching", f"{per_episode:.3f}s",
+              f"{threads:.3f}s", harness.ratio(per_episode, threads), "")
+    table.row("(b) multi-turn, 8 x 3 turns: per-episode vs batched", f"{per_episode:.3f}s", f"{batched:.3f}s",
+              harness.ratio(per_episode, batched), ">= 3x")
 
     pipe, plain = bench_step_overhead(args.steps, args.repeats)
-    print(f"(c) training step, tiny model: pipeline {pipe * 1000:.0f} ms, plain GRPOTrainer {plain * 1000:.0f} ms "
-          f"-> {pipe / plain:.3f}x (goal <= 1.05x)")
+    table.row("(c) training step: plain GRPOTrainer vs the pipeline (ratio: pipeline / plain)", harness.ms(plain),
+              harness.ms(pipe), f"{pipe / plain:.3f}x", "<= 1.05x")
     pipe, plain = bench_step_overhead(args.steps, args.repeats, trl_generates=True)
-    print(f"(c') the same with TRL generating in the pipeline too (tracking, runtime, ledger, callbacks only): "
-          f"pipeline {pipe * 1000:.0f} ms, plain {plain * 1000:.0f} ms -> {pipe / plain:.3f}x")
+    table.row("(c') the same, TRL generating in the pipeline too (tracking, runtime, ledger, callbacks only)",
+              harness.ms(plain), harness.ms(pipe), f"{pipe / plain:.3f}x", "")
 
 
 if __name__ == "__main__":

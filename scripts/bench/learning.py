@@ -4,21 +4,32 @@ before -> after (the weights in model/: the best validation step's if it clearly
 last; `model` is that step), the best and last validation scores, the share of flat groups, and wall time
 split into training, validation and test evaluation.
 
-    .venv/bin/python scripts/bench_learning.py                      # seeds 0-4, the default config
-    .venv/bin/python scripts/bench_learning.py --seeds 5 6 -- training.learning_rate=5e-4
+    .venv/bin/python scripts/bench/learning.py                      # seeds 0-4, the default config
+    .venv/bin/python scripts/bench/learning.py --seeds 5 6 -- training.learning_rate=5e-4
 
 Goal (issue 12): gain >= +0.25 on every seed, mean >= +0.35, <= 12 min of training + eval per seed on 2
 cores. Results also go to outputs/bench_learning/<stamp>/results.json as each seed finishes.
+
+With --passk K it trains nothing and asks what training can reach: pass@k (the share of held-out test prompts
+with at least one full score among k completions) for k = 1..K, at the run's temperature, for the model before
+training or a trained adapter (--adapter). GRPO mostly sharpens what the model already samples, so this bounds
+what a run can reach (docs/envs.md, the env doctor). The test prompts are the run's own (eval.split_seed);
+completions are sampled from a bf16 copy (`--dtype float32` on a CPU without native bf16, where bf16 is slower).
+
+    .venv/bin/python scripts/bench/learning.py --passk 32                 # the base model, env=arithmetic
+    .venv/bin/python scripts/bench/learning.py --passk 32 --adapter outputs/bench_learning/<stamp>/seed42/model
+    .venv/bin/python scripts/bench/learning.py --passk 16 -- env.max_value=49
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
+import warnings
 from pathlib import Path
 
+import harness
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -60,9 +71,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the machine has 2 cores)")
+    parser.add_argument("--passk", type=int, metavar="K", help="no training: pass@1..K of the test set (K samples each)")
+    parser.add_argument("--adapter", help="--passk: a trained LoRA adapter folder (a run's model/); default: the base")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="--passk: the sampling copy's dtype (float32 on a CPU without native bf16)")
+    parser.add_argument("--batch", type=int, default=64, help="--passk: completions generated at once")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every seed")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.threads(args.threads)
+    if args.passk:
+        return pass_at_ks(args)
     register_configs()
     out = Path("outputs/bench_learning") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -73,17 +91,56 @@ def main() -> None:
         print_table(rows, args.overrides)
 
 
+def pass_at_ks(args) -> None:
+    from grpo_pipeline.api import compose_config
+    from grpo_pipeline.envs.runner import EpisodeRunner
+    from grpo_pipeline.evaluation.heldout import generate, split_heldout
+    from grpo_pipeline.models import load_model
+    from grpo_pipeline.recipe import load_env_and_dataset, sampling
+    from grpo_pipeline.tools.doctor import PASS_KS, pass_at_k
+
+    torch.manual_seed(0)
+    warnings.filterwarnings("ignore")
+    harness.machine(f"pass@k, {args.adapter or 'base model'}, overrides: {args.overrides}")
+    cfg = compose_config(args.overrides)
+    env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
+    test = split_heldout(dataset, cfg.eval, type(env).__qualname__).test
+    model = load_model(cfg.model, tokenizer).eval()
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter).merge_and_unload()
+    model = model.to(getattr(torch, args.dtype))
+    gen = cfg.generation
+    sample = sampling(gen)
+    extra = [c for c in dataset.column_names if c != "prompt"]
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sample)
+    runner.bind(model)
+    k = args.passk
+    prompts = [p for p in test["prompt"] for _ in range(k)]
+    rows = [{c: test[i][c] for c in extra} for i in range(len(test)) for _ in range(k)]
+    started = time.monotonic()
+    completions = generate(model, tokenizer, prompts, gen.max_new_tokens, args.batch, sample)
+    scores, _ = runner.score(completions, rows)
+    groups = [scores[i : i + k] for i in range(0, len(scores), k)]
+    print(f"{len(groups)} test prompts x {k} samples ({args.adapter or 'base model'}), temperature {gen.temperature}, "
+          f"{time.monotonic() - started:.0f} s")
+    print(", ".join(f"pass@{n} {statistics.fmean(pass_at_k(g, n) for g in groups):.3f}"
+                    for n in PASS_KS if n <= k))
+    print("full scores per prompt:", sorted(sum(s >= 1.0 for s in g) for g in groups))
+
+
 def print_table(rows: list[dict], overrides: list[str]) -> None:
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{torch.get_num_threads()} torch threads; overrides: {overrides}")
-    print(f"{'seed':>4} | {'test mean reward':>17} | {'gain (+- SE)':>14} | {'success':>11} | best step (val) | "
-          f"last val | model | flat | train s | val s | other s | total s")
+    print()
+    harness.machine(f"overrides: {overrides}")
+    table = harness.Table("seed", "test mean reward", "gain (+- SE)", "success", "best step (val)", "last val",
+                          "model", "flat", "train s", "val s", "other s", "total s")
     for r in rows:
-        print(f"{r['seed']:>4} | {r['before']:>7.3f} -> {r['after']:<6.3f} | {r['gain']:+.3f} +- {r['gain_se'] or 0:.3f} | "
-              f"{r['success_before']:.2f} -> {r['success_after']:.2f} | {r['best_step']!s:>4} ({r['best_val'] or 0:.3f})"
-              f"    | {r['last_val'] or 0:.3f}    | {r.get('model_step')!s:>5} | {r['flat_groups'] or 0:.2f} | "
-              f"{r['train_s']:>7.0f} | "
-              f"{r['val_s']:>5.0f} | {r['other_s']:>7.0f} | {r['wall_s']:>7.0f}")
+        table.row(r["seed"], f"{r['before']:.3f} -> {r['after']:.3f}", f"{r['gain']:+.3f} +- {r['gain_se'] or 0:.3f}",
+                  f"{r['success_before']:.2f} -> {r['success_after']:.2f}",
+                  f"{r['best_step']} ({r['best_val'] or 0:.3f})", f"{r['last_val'] or 0:.3f}", r.get("model_step"),
+                  f"{r['flat_groups'] or 0:.2f}", f"{r['train_s']:.0f}", f"{r['val_s']:.0f}", f"{r['other_s']:.0f}",
+                  f"{r['wall_s']:.0f}")
     gains = [r["gain"] for r in rows]
     std = statistics.stdev(gains) if len(gains) > 1 else 0.0
     print(f"{rows[0]['test_prompts']} test prompts; gain over {len(gains)} seeds: mean {statistics.fmean(gains):+.3f}, "

@@ -8,19 +8,18 @@
 For each mode and seed: held-out (unique test requests, greedy episodes) mean reward and success rate
 before -> after, steps, seconds per step, and the wait before the first training step.
 
-    .venv/bin/python scripts/bench_multiturn.py --seeds 0 1 --minutes 12
-    .venv/bin/python scripts/bench_multiturn.py --modes trajectory -- env.difficulty=easy
+    .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 --minutes 12
+    .venv/bin/python scripts/bench/multiturn.py --modes trajectory -- env.difficulty=easy
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
+import harness
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -85,7 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.threads(args.threads)
     register_configs()
     out = Path("outputs/bench_multiturn") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -98,16 +97,17 @@ def main() -> None:
 
 
 def report(rows: list[dict], args) -> None:
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
-          f"threads; {args.minutes:g} min of training per run; overrides {args.overrides}")
-    print(f"{'mode':>10} | seed | {'mean reward':>15} | {'success':>12} | steps | s/step | wait before step 1 | "
-          "train reward first 3 -> last 3 | flat groups")
+    print()
+    harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
+    table = harness.Table("mode      ", "seed", "mean reward", "success", "steps", "s/step", "wait before step 1",
+                          "train reward first 3 -> last 3", "flat groups")
     for r in rows:
         b, a, curve = r["before"], r["after"], r["rewards"]
-        print(f"{r['mode']:>10} | {r['seed']:>4} | {b['mean_reward']:.3f} -> {a['mean_reward']:.3f} | "
-              f"{b['success_rate']:.2f} -> {a['success_rate']:.2f} | {r['steps']:>5} | {r['s_per_step']:>6.1f} | "
-              f"{r['wait_before_first_step']:>16.0f} s | {statistics.fmean(curve[:3]):.3f} -> "
-              f"{statistics.fmean(curve[-3:]):.3f} | {r['flat_groups'] or 0:.2f}")
+        table.row(r["mode"], r["seed"], f"{b['mean_reward']:.3f} -> {a['mean_reward']:.3f}",
+                  f"{b['success_rate']:.2f} -> {a['success_rate']:.2f}", r["steps"], f"{r['s_per_step']:.1f}",
+                  f"{r['wait_before_first_step']:.0f} s",
+                  f"{statistics.fmean(curve[:3]):.3f} -> {statistics.fmean(curve[-3:]):.3f}",
+                  f"{r['flat_groups'] or 0:.2f}")
     for mode in args.modes:
         lifts = [r["after"]["success_rate"] - r["before"]["success_rate"] for r in rows if r["mode"] == mode]
         if lifts:

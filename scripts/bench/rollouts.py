@@ -16,17 +16,17 @@ rollout (`weights`), or the adapter as a LoRARequest (`adapter`). Runs in the CP
 Same prompts, same sampling (temperature 1, no top-k/top-p). Each rollout figure is the median of --repeats
 after a warm-up, the weight push included; the backends alternate.
 
-    make install-vllm && .venv-vllm/bin/python scripts/bench_rollouts.py
+    make install-vllm && .venv-vllm/bin/python scripts/bench/rollouts.py
+    .venv/bin/python scripts/bench/rollouts.py --modes off unpacked generate     # the HF side alone, no vLLM
 """
 
 import argparse
 import contextlib
-import os
-import platform
+import functools
 import statistics
 import tempfile
-import time
 
+import harness
 import torch
 
 
@@ -41,26 +41,25 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="off and unpacked alone run without vLLM: the HF side in the base venv (.venv)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    harness.threads(args.threads)  # OMP_NUM_THREADS too: vLLM's CPU engine reads it
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
-          f"threads; SmolLM2-135M + LoRA r=16")
-    print(f"{'part':<34} | {'HF decode':>10} | {'HF unpacked':>12} | {'vLLM weights':>12} | {'vLLM adapter':>12} | "
-          f"{'generate':>10} | unpacked / HF; HF / vLLM (weights, adapter); generate / HF")
+    harness.machine("SmolLM2-135M + LoRA r=16")
+    table = harness.Table(f"{'part':<34}", *HEADER.values(), "unpacked / HF; HF / vLLM (weights, adapter); generate / HF")
     for env, batch, name in (("arithmetic", args.batch, f"rollout, single-turn, {args.batch} completions"),
                              ("hotel", 8, "rollout, 3-turn hotel, 8 episodes")) if args.rollouts else ():
-        _row(name, _rollouts(env, batch, args.repeats, args.modes))
+        _row(table, name, _rollouts(table, env, batch, args.repeats, args.modes))
     if args.steps > 1:
         for env in args.step_envs:
-            _row(f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes
-                                        if mode != "generate"})
+            _row(table, f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes
+                                               if mode != "generate"})
 
 
 # vllm=off (HF decode loop; `unpacked`: its copy without prepacked weights), vllm=colocate with each vllm.weight_sync,
 # `generate`: transformers' model.generate (rollouts only)
 MODES = ("off", "unpacked", "weights", "adapter", "generate")
 SLOWER = ("unpacked", "generate")  # HF ways slower than the default loop: their ratio is theirs / off
+HEADER = {"off": "HF decode", "unpacked": "HF unpacked", "weights": "vLLM weights", "adapter": "vLLM adapter",
+          "generate": "generate"}
 
 
 def _overrides(mode: str) -> list[str]:
@@ -69,47 +68,32 @@ def _overrides(mode: str) -> list[str]:
     return ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
 
-def _cells(values: dict[str, float], fmt: str, unit: str) -> str:
-    """One table cell per mode, in MODES' order and the header's widths; '-' for a mode not run."""
-    return " | ".join(f"{values[m]:>{w}{fmt}}{unit}" if m in values else " " * w + "-"
-                      for m, w in zip(MODES, (9, 11, 11, 11, 9), strict=True))
+def _cells(values: dict[str, float], fmt: str, unit: str) -> list[str]:
+    """One table cell per mode, in MODES' order; '-' for a mode not run."""
+    return [f"{values[m]:{fmt}}{unit}" if m in values else "-" for m in MODES]
 
 
-def _row(name: str, seconds: dict[str, float]) -> None:
+def _row(table, name: str, seconds: dict[str, float]) -> None:
     """Ratios to `off` (the default HF loop): unpacked / off and generate / off (what the loop's fast paths save),
     off / vLLM per weight sync; and generate / vLLM (vLLM against transformers' own generate)."""
     ratios = [(f"{seconds[m] / seconds['off']:.2f}x" if m in SLOWER else f"{seconds['off'] / seconds[m]:.2f}x")
               if "off" in seconds and m in seconds else "-" for m in MODES[1:]]
     ratios += [f"generate/{m} {seconds['generate'] / seconds[m]:.2f}x" for m in ("weights", "adapter")
                if "generate" in seconds and m in seconds]
-    print(f"{name:<34} | {_cells(seconds, '.2f', 's')} | {', '.join(ratios)}", flush=True)
+    table.row(name, *_cells(seconds, ".2f", "s"), ", ".join(ratios))
 
 
-def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict[str, float]:
-    from grpo_pipeline.api import compose_config
-    from grpo_pipeline.envs.runner import EpisodeRunner
-    from grpo_pipeline.models import load_model, lora_target_modules, model_type
-    from grpo_pipeline.recipe import load_env_and_dataset, sampling
-    from grpo_pipeline.rollout.turns import make_rollout
+def _rollouts(table, env_name: str, batch: int, repeats: int, modes: list[str]) -> dict[str, float]:
+    from grpo_pipeline.recipe import sampling
 
     runs = {}
     for mode in modes:
-        cfg = compose_config([f"env={env_name}", *_overrides(mode), "vllm.max_model_len=2048"])
-        env, tokenizer, dataset, tools = load_env_and_dataset(cfg, render_tools=False)
-        columns = [c for c in dataset.column_names if c != "prompt"]
-        runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation),
-                               group_size=cfg.generation.num_generations)
-        rollout = make_rollout(cfg, env, tokenizer, runner, tools)
+        rollout, cfg, tokenizer, dataset, columns = harness.rollout(
+            [f"env={env_name}", *_overrides(mode), "vllm.max_model_len=2048"])
         if mode == "generate":
             rollout.reuse_cache = False  # every turn prefilled from the start, as generate() does
         runs[mode] = (rollout, cfg)
-    from peft import LoraConfig, get_peft_model
-
-    cfg = next(iter(runs.values()))[1]
-    targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules)  # the default: every linear layer
-    policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets, lora_dropout=cfg.lora.dropout,
-        task_type="CAUSAL_LM"))
+    policy = harness.lora_policy(cfg, tokenizer)  # the default: every linear layer
     for rollout, _ in runs.values():
         rollout.runner.bind(policy)
     prompts = [dataset[i // 4]["prompt"] for i in range(batch)]
@@ -120,26 +104,20 @@ def _rollouts(env_name: str, batch: int, repeats: int, modes: list[str]) -> dict
 
     def timed(mode, repeat):
         torch.manual_seed(repeat)  # the HF loops (packed or not) then sample the same tokens in a repeat
-        started = time.perf_counter()
         with _hf_generate(mode == "generate"):
             trajs = runs[mode][0].run(policy, prompts, rows, sample)
         tokens[mode].append(sum(sum(t.env_mask) for t in trajs))
-        return time.perf_counter() - started
 
-    times = {mode: [] for mode in modes}
-    for mode in modes:
-        timed(mode, -1)  # warm-up (vLLM's first call is several times slower)
-    for repeat in range(repeats):
-        for mode in modes:
-            times[mode].append(timed(mode, repeat))
+    # one warm-up each (vLLM's first call is several times slower), then the modes in turn
+    times = harness.alternate({mode: functools.partial(timed, mode) for mode in modes}, repeats)
     for rollout, _ in runs.values():
         rollout.close()
-    print(f"{'  tokens sampled per rollout':<34} | " + _cells({m: statistics.mean(t) for m, t in tokens.items()},
-                                                              ".0f", " "))
+    table.row("  tokens sampled per rollout", *_cells({m: statistics.mean(t) for m, t in tokens.items()}, ".0f", ""),
+              "")
     # the sides sample their own episodes, and a rollout of few prompts varies in length: also per token
-    print(f"{'  ms per sampled token':<34} | " + _cells(
-        {m: 1e3 * sum(times[m]) / sum(tokens[m][1:]) for m in modes}, ".1f", " "))
-    return {mode: statistics.median(times[mode]) for mode in modes}
+    table.row("  ms per sampled token", *_cells({m: 1e3 * sum(times[m]) / sum(tokens[m][1:]) for m in modes},
+                                                ".1f", ""), "")
+    return harness.medians(times)
 
 
 @contextlib.contextmanager

@@ -11,17 +11,25 @@ with --env hotel), for a batch of B completions (groups of 4 sharing a prompt):
 
 Each figure is the median of --repeats timings after one warm-up; the two sides of a row run alternately.
 
-    .venv/bin/python scripts/bench_step.py                  # B = 8 and 32, arithmetic
-    .venv/bin/python scripts/bench_step.py --env hotel --batch 8 --tokens 64
+    .venv/bin/python scripts/bench/step.py                  # B = 8 and 32, arithmetic
+    .venv/bin/python scripts/bench/step.py --env hotel --batch 8 --tokens 64
+
+With --profile it runs real training steps instead (the pipeline with the Hydra overrides given) and prints, per
+step, the seconds of the rollout (its decode loop, the generation copy's refresh, the shared-prefix prefill), of
+the loss forward, and of the whole training step. Nothing is changed in the run; the functions are only timed.
+
+    .venv/bin/python scripts/bench/step.py --profile training.max_steps=3 eval.enabled=false
+    .venv/bin/python scripts/bench/step.py --profile env=hotel training.max_steps=2 training.batch_size=8 \
+        generation.oversample=1 generation.max_new_tokens=64 eval.enabled=false runtime.generation_dtype=float32
+    .venv-vllm/bin/python scripts/bench/step.py --profile vllm=colocate training.max_steps=3 eval.enabled=false
+
+Run it alone on the machine: two jobs on 2 cores slow each other several-fold.
 """
 
 import argparse
 import contextlib
-import os
-import platform
-import statistics
-import time
 
+import harness
 import torch
 
 
@@ -32,15 +40,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="max new tokens per completion")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--lora-targets", default=None, help="comma-separated (default: the model family's)")
+    parser.add_argument("--lora-targets", default=None, help="comma-separated (default: every linear layer)")
+    parser.add_argument("--profile", action="store_true", help="time the parts of real training steps instead")
+    parser.add_argument("overrides", nargs="*", help="--profile: Hydra overrides of the training run")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.threads(args.threads)
+    if args.profile:
+        return profile(args.overrides)
 
     from peft import LoraConfig, get_peft_model
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_pipeline.api import compose_config
-    from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_type
+    from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
     from grpo_pipeline.recipe import load_env_and_dataset
 
     cfg = compose_config([f"env={args.env}"])
@@ -50,20 +62,19 @@ def main() -> None:
     add_fused_lm_head(model, temperature=1.0, outputs=("log_probs", "entropy"))
     model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                                              target_modules=lora_target_modules(
-                                                 model_type(cfg.model),
                                                  args.lora_targets.split(",") if args.lora_targets else None),
                                              task_type="CAUSAL_LM"))
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
-          f"threads; SmolLM2-135M + LoRA r={cfg.lora.r}; env={args.env}; max {args.tokens} new tokens")
-    print(f"{'B':>3} | {'part':<8} | {'baseline':>9} | {'runtime':>9} | ratio")
+    harness.machine(f"SmolLM2-135M + LoRA r={cfg.lora.r}; env={args.env}; max {args.tokens} new tokens")
+    table = harness.Table("B", "part    ", "baseline", "runtime", "ratio")
     for batch in args.batch:
         prompts = [_render(tokenizer, dataset[i // 4]["prompt"]) for i in range(batch)]
         seqs = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         hf, ours, completions = _time_rollouts(model, tokenizer, seqs, args.tokens, args.repeats)
-        print(f"{batch:>3} | rollout  | {hf:>8.2f}s | {ours:>8.2f}s | {hf / ours:.2f}x")
+        table.row(batch, "rollout", harness.secs(hf), harness.secs(ours), harness.ratio(hf, ours))
         trl, shared = _time_loss(model, seqs, completions, tokenizer.pad_token_id, args.repeats)
-        print(f"{batch:>3} | loss     | {trl:>8.2f}s | {shared:>8.2f}s | {trl / shared:.2f}x")
-        print(f"{batch:>3} | together | {hf + trl:>8.2f}s | {ours + shared:>8.2f}s | {(hf + trl) / (ours + shared):.2f}x")
+        table.row(batch, "loss", harness.secs(trl), harness.secs(shared), harness.ratio(trl, shared))
+        table.row(batch, "together", harness.secs(hf + trl), harness.secs(ours + shared),
+                  harness.ratio(hf + trl, ours + shared))
 
 
 def _render(tokenizer, prompt) -> str:
@@ -130,14 +141,39 @@ def _time_loss(model, seqs, completions, pad_id, repeats):
 
 
 def _alternate(first, second, repeats):
-    first(), second()  # warm-up
-    times = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((first, times[0]), (second, times[1])):
-            started = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - started)
-    return statistics.median(times[0]), statistics.median(times[1])
+    med = harness.medians(harness.alternate({"first": lambda _: first(), "second": lambda _: second()}, repeats))
+    return med["first"], med["second"]
+
+
+def profile(overrides: list[str]) -> None:
+    """Real training steps, with the parts of each timed (the code unchanged)."""
+    from grpo_pipeline.api import train
+    from grpo_pipeline.rollout import decode as sampler
+    from grpo_pipeline.rollout import policy_copy as merged
+    from grpo_pipeline.rollout import turns as rollout
+    from grpo_pipeline.rollout import vllm_engine as vllm_backend
+    from grpo_pipeline.training import trainer
+
+    seconds: dict[str, list[float]] = {}
+    for owner, name, label in (
+        (trainer.PipelineTrainer, "training_step", "training step"),
+        (rollout.Rollout, "run", "rollout"),
+        (rollout, "decode", "  decode loop"),  # rollout.py calls sampler.decode by this name
+        (merged.MergedCopy, "of", "  copy refresh"),
+        (rollout.SharedPrefix, "build", "  prefix prefill"),
+        (vllm_backend.VllmBackend, "sync", "  vllm sync"),  # vllm=colocate: the policy handed to vLLM
+        (vllm_backend.VllmBackend, "generate", "  vllm turn"),
+        (trainer.PipelineTrainer, "_compute_loss", "loss forward"),
+        (trainer.PipelineTrainer, "_get_per_token_logps_and_entropies", "logps forwards"),  # loss, old, reference
+    ):
+        harness.record(owner, name, seconds.setdefault(label, []))
+    assert rollout.decode is not sampler.decode
+    harness.machine(f"overrides: {overrides}")
+    train(overrides)
+    print("\nseconds per call, in order:")
+    for label, values in seconds.items():
+        if values:
+            print(f"{label:<16} " + " ".join(f"{v:6.2f}" for v in values))
 
 
 if __name__ == "__main__":

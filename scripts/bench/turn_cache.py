@@ -10,16 +10,14 @@ All modes start from the same torch seed, so in float32 they sample the same tok
 episodes came out identical to "before") and do the same work; they alternate, and each figure is the median of
 --repeats after a warm-up. Run it alone on the machine: two jobs on 2 cores slow each other several-fold.
 
-    .venv/bin/python scripts/bench_turn_cache.py
-    .venv/bin/python scripts/bench_turn_cache.py --dtypes float32 --repeats 5
+    .venv/bin/python scripts/bench/turn_cache.py
+    .venv/bin/python scripts/bench/turn_cache.py --dtypes float32 --repeats 5
 """
 
 import argparse
-import os
-import platform
-import statistics
-import time
+import functools
 
+import harness
 import torch
 
 
@@ -30,67 +28,46 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.threads(args.threads)
 
-    from peft import LoraConfig, get_peft_model
-
-    from grpo_pipeline.api import compose_config
-    from grpo_pipeline.envs.runner import EpisodeRunner
-    from grpo_pipeline.models import load_model, lora_target_modules, model_type
-    from grpo_pipeline.recipe import load_env_and_dataset, sampling
+    from grpo_pipeline.recipe import sampling
     from grpo_pipeline.rollout import decode as sampler
-    from grpo_pipeline.rollout.turns import make_rollout
 
     growing = sampler.growing_cache
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} torch "
-          f"threads; env=hotel, {args.episodes} episodes; median of {args.repeats} after a warm-up")
-    print(f"{'copy':<9} | {'before':>8} | {'grow':>8} | {'grow+keep':>9} | before / grow+keep | same episodes "
-          "| tokens fed in turns 2+ (keep vs before)")
+    harness.machine(f"env=hotel, {args.episodes} episodes; median of {args.repeats} after a warm-up")
+    table = harness.Table("copy     ", "before", "grow", "grow+keep", "before / grow+keep", "same episodes",
+                          "tokens fed in turns 2+ (keep vs before)")
     policy = None
     modes = ("before", "grow", "grow+keep")
     fed: dict[str, list[int]] = {m: [] for m in modes}
     decode = _count_fed(fed)
     for dtype in args.dtypes:
-        cfg = compose_config(["env=hotel", f"runtime.generation_dtype={dtype}"])
-        env, tokenizer, dataset, tools = load_env_and_dataset(cfg, render_tools=False)
-        columns = [c for c in dataset.column_names if c != "prompt"]
-        runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation),
-                               group_size=cfg.generation.num_generations)
-        rollout = make_rollout(cfg, env, tokenizer, runner, tools)
+        rollout, cfg, tokenizer, dataset, columns = harness.rollout(["env=hotel", f"runtime.generation_dtype={dtype}"])
         if policy is None:
-            targets = lora_target_modules(model_type(cfg.model), cfg.lora.target_modules)
-            policy = get_peft_model(load_model(cfg.model, tokenizer), LoraConfig(
-                r=cfg.lora.r, lora_alpha=cfg.lora.alpha, target_modules=targets, lora_dropout=cfg.lora.dropout,
-                task_type="CAUSAL_LM"))
-        runner.bind(policy)
+            policy = harness.lora_policy(cfg, tokenizer)
+        rollout.runner.bind(policy)
         prompts = [dataset[i // 4]["prompt"] for i in range(args.episodes)]
         rows = [{c: dataset[i // 4][c] for c in columns} for i in range(args.episodes)]
         sample = sampling(cfg.generation)
 
-        def timed(mode: str, rollout=rollout, prompts=prompts, rows=rows, sample=sample):
+        episodes: dict[str, list] = {}  # each mode's episodes of its last rollout
+
+        def timed(mode: str, _round: int, rollout=rollout, prompts=prompts, rows=rows, sample=sample,
+                  episodes=episodes):
             rollout.reuse_cache = mode == "grow+keep"
             sampler.growing_cache = growing if mode != "before" else (lambda cache: cache)
             decode.mode = mode
             fed[mode].clear()
             torch.manual_seed(0)
-            started = time.perf_counter()
             trajs = rollout.run(policy, prompts, rows, sample)  # noqa: B023 (policy: the same model throughout)
-            return time.perf_counter() - started, [t.completion_ids for t in trajs]
+            episodes[mode] = [t.completion_ids for t in trajs]
 
-        for mode in modes:  # warm-up
-            timed(mode)
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(args.repeats):
-            episodes = {}
-            for mode in modes:
-                seconds, episodes[mode] = timed(mode)
-                times[mode].append(seconds)
-            same = sum(x == y for x, y in zip(episodes["before"], episodes["grow+keep"], strict=True))
-        t = {m: statistics.median(v) for m, v in times.items()}
-        print(f"{dtype:<9} | {t['before']:>7.2f}s | {t['grow']:>7.2f}s | {t['grow+keep']:>8.2f}s | "
-              f"{t['before'] / t['grow+keep']:>17.2f}x | {same:>4} of {args.episodes}    | "
-              f"{sum(fed['grow+keep'][1:])} vs {sum(fed['before'][1:])}")
+        t = harness.medians(harness.alternate({m: functools.partial(timed, m) for m in modes}, args.repeats))
+        same = sum(x == y for x, y in zip(episodes["before"], episodes["grow+keep"], strict=True))
+        table.row(dtype, harness.secs(t["before"]), harness.secs(t["grow"]), harness.secs(t["grow+keep"]),
+                  harness.ratio(t["before"], t["grow+keep"]), f"{same} of {args.episodes}",
+                  f"{sum(fed['grow+keep'][1:])} vs {sum(fed['before'][1:])}")
     sampler.growing_cache = growing
 
 

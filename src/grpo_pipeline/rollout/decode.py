@@ -1,7 +1,7 @@
 """The runtime's decode loop: a batch of token sequences continued until each one ends.
 
 Why not `model.generate`: this loop does what the rollout needs and generate does not, and that costs time on
-a CPU. Measured on 2 cores, SmolLM2-135M, 32 rows (`scripts/bench_rollouts.py`):
+a CPU. Measured on 2 cores, SmolLM2-135M, 32 rows (`scripts/bench/rollouts.py`):
 - rows that reached eos leave the batch (their KV cache rows are dropped), so a batch whose completions end
   at ~20 tokens does not keep running 32 rows to the longest one;
 - sampling by inverse CDF (one uniform draw per row) instead of `torch.multinomial`, whose exponential draw over

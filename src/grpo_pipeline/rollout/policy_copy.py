@@ -3,15 +3,15 @@ and on a CPU with its linear layers' weights prepacked for oneDNN.
 
 Decoding a LoRA model runs two extra small matmuls (and a dropout) per adapted layer and token; on a CPU,
 where a decode step is a few dozen milliseconds, that overhead is a large share (measured in
-`scripts/bench_step.py`). vLLM and other inference engines serve merged weights for the same reason. Decoding
-is also bound by reading the weights (`scripts/bench_decode.py`): a bf16 copy reads half the bytes, and CPUs
+`scripts/bench/step.py`). vLLM and other inference engines serve merged weights for the same reason. Decoding
+is also bound by reading the weights (`scripts/bench/decode.py`): a bf16 copy reads half the bytes, and CPUs
 with native bf16 (AVX512-BF16, AMX) run its matmuls faster (`runtime.generation_dtype`).
 
 Prepacked weights (`PackedLinear`, `runtime.packed_generation`): a decode step multiplies a few rows by every
 weight, and torch's default CPU matmul (MKL sgemm) streams the weights from memory at ~3 GB/s there, where
 oneDNN's matmul over weights reordered once into its own blocked layout (`mkldnn._reorder_linear_weight`, what
 torch.compile's CPU freezing uses) reads them at ~6 GB/s: a decode step of 8 rows 1.40-1.45x faster
-(`scripts/bench_decode.py`; with 32 rows and a 500-token KV cache, ~1x). Same float32 arithmetic in
+(`scripts/bench/decode.py`; with 32 rows and a 500-token KV cache, ~1x). Same float32 arithmetic in
 another summation order: log-probs within ~1e-5 of the plain layers'.
 
 The copy is refreshed from the policy every time it is asked for (one small matmul per adapted layer, or one
@@ -53,7 +53,7 @@ class PackedLinear(torch.nn.Module):
     deep-copied or pickled, and `.to()` would move `weight` but not `packed`. Only MergedCopy's copy holds them,
     and it is never saved, copied or moved."""
 
-    ROWS_HINT = 8  # the rows oneDNN chooses its layout for; measured 8-256 alike, 1 slower (bench_decode.py)
+    ROWS_HINT = 8  # the rows oneDNN chooses its layout for; measured 8-256 alike, 1 slower (bench/decode.py)
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
