@@ -147,7 +147,7 @@ class LoraConfig:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    # null: chosen from the model family (see models.LORA_TARGETS).
+    # null: PEFT's all-linear (every linear layer but the output head; models.lora_target_modules).
     target_modules: list[str] | None = None
     # Also write merged full weights next to the adapter.
     save_merged: bool = False

@@ -109,7 +109,8 @@ class EpisodeRunner:
         """A TRL reward function (named after the env) that scores through this runner. A failed episode's
         reward is None: TRL 1.16 leaves it out of its group's (NaN-aware) mean and std and gives it advantage 0,
         across processes too. `reward.failed` holds the last batch's failures, for the other reward components
-        (rewards/assemble.py) called on the same batch, so that a failed episode is unscorable as a whole, not scored by format alone."""
+        (rewards/assemble.py) called on the same batch, so that a failed episode is unscorable as a whole, not
+        scored by its format alone."""
 
         def reward(prompts, completions, log_metric=None, log_extra=None, **columns):
             rows = [{k: columns[k][i] for k in self.extra_columns} for i in range(len(completions))]

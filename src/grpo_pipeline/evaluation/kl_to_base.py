@@ -23,16 +23,16 @@ DRIFT = 0.5  # the GRPO tutorials' threshold: above it the policy is drifting fa
 
 
 class KlToBase:
-    def __init__(self, trainer, batch_size: int):
-        self.trainer, self.batch_size = trainer, batch_size
-        self.policy = trainer.accelerator.unwrap_model(trainer.model)
+    def __init__(self, trainer, batch_size: int, policy):
+        """`policy`: the trainer's model unwrapped (for_trainer)."""
+        self.trainer, self.batch_size, self.policy = trainer, batch_size, policy
 
     @classmethod
     def for_trainer(cls, trainer, batch_size: int) -> "KlToBase | None":
         """None (said once in the log) when the run keeps no reference model."""
         policy = trainer.accelerator.unwrap_model(trainer.model)
         if hasattr(policy, "disable_adapter") or getattr(trainer, "ref_model", None) is not None:
-            return cls(trainer, batch_size)
+            return cls(trainer, batch_size, policy)
         log.warning("eval_val/kl_to_base is not computed: full fine-tuning with loss.kl_coef=0 keeps no reference "
                     "model (it would be a second copy of every weight). Set loss.kl_coef > 0 or use LoRA to see it.")
         return None

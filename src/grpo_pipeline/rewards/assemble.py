@@ -58,8 +58,8 @@ def _required_columns(fn: Callable) -> list[str]:
 
 def _named(fn: Callable, name: str, env_reward: Callable | None) -> Callable:
     """`fn` as a TRL reward named `name`. Where the env's episode failed in this batch (TRL calls the env's reward
-    first, in list order, with the same `completions` list), the component returns None too: the completion is unscorable as a whole (TRL: no
-    advantage, out of the group's baseline) rather than scored by its format alone."""
+    first, in list order, with the same `completions` list), the component returns None too: the completion is
+    unscorable as a whole (TRL: no advantage, out of the group's baseline) rather than scored by its format alone."""
 
     def reward(prompts, completions, **kwargs):
         scores = fn(prompts=prompts, completions=completions, **kwargs)
