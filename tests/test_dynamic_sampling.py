@@ -7,7 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-import grpo_pipeline.training.trainer as trainer_module
+import grpo_pipeline.training.dynamic_sampling as ds
 from conftest import tiny_overrides
 from grpo_pipeline.config.validate import check_config
 from grpo_pipeline.errors import ConfigError
@@ -27,7 +27,6 @@ def _select(advantages, size=2, keep=4):
     fake = SimpleNamespace(num_generations=size, train_completions=keep, flat_negative=0.0,
                            _metrics={"train": {"dynamic_sampling/groups_sampled": [],
                                                "dynamic_sampling/groups_trained": []}})
-    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)  # no rewards: advantages
     return PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, size)), fake._metrics["train"]
 
 
@@ -59,7 +58,6 @@ def test_flatness_is_read_from_the_rewards_not_the_advantages():
                                               "b": [0.0, 0.0, 0.1, 0.1, 0.0, float("nan")]}},
                            _metrics={"train": {"dynamic_sampling/groups_sampled": [],
                                                "dynamic_sampling/groups_trained": []}})
-    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)
     out = PipelineTrainer._keep_groups_with_spread(fake, _out(advantages, 2))
     assert out["prompt_ids"][:, 0].tolist() == [0, 1]
     assert fake._metrics["train"]["dynamic_sampling/groups_trained"] == [1.0]
@@ -77,8 +75,6 @@ def _negative_fake(rewards: list[float], flat_negative: float, scale_rewards: st
                            _metrics={"train": {k: [] for k in ("dynamic_sampling/groups_sampled",
                                                                "dynamic_sampling/groups_trained",
                                                                "dynamic_sampling/groups_negative")}})
-    fake._groups_with_spread = lambda *a: PipelineTrainer._groups_with_spread(fake, *a)
-    fake._negative_flat_groups = lambda *a: PipelineTrainer._negative_flat_groups(fake, *a)
     return fake
 
 
@@ -159,8 +155,8 @@ def test_a_run_trains_only_groups_with_spread(compose_cfg, tmp_path, monkeypatch
         assert 1 <= len(groups) <= 2  # at most batch_size=4 completions of the 12 sampled
         assert normalizer == mask_sum
         if len(groups) == 2 or groups.abs().sum() > 0:
-            assert (groups.abs() > trainer_module.FLAT).any(dim=1).all()  # no flat group when one with spread exists
-    assert any((a.abs() > trainer_module.FLAT).any() for a, _, _ in seen)  # groups with spread were trained
+            assert (groups.abs() > ds.FLAT).any(dim=1).all()  # no flat group when one with spread exists
+    assert any((a.abs() > ds.FLAT).any() for a, _, _ in seen)  # groups with spread were trained
 
 
 def test_oversample_is_checked_and_off_where_groups_cannot_be_picked_locally(compose_cfg, tmp_path, monkeypatch):
@@ -233,27 +229,59 @@ def test_fit_step_counts_gradient_accumulation_and_refuses_what_cannot_fill_a_ge
 # --- adaptive sampling for flat groups (generation.resample_flat) ---------------------------------------------
 
 def test_balanced_keeps_half_above_average_earliest_first_and_tops_up_from_the_other_side():
-    from grpo_pipeline.training.trainer import balanced
-
-    assert balanced([-0.3, -0.3, -0.3, -0.3, 2.5, -0.3, -0.3, 1.0], 4) == [0, 1, 4, 7]
-    assert balanced([-1.0, 3.0, -1.0, -1.0, -1.0, -1.0], 4) == [0, 1, 2, 3]  # one above: three below
-    assert balanced([1.0, 1.0, 1.0, -3.0, 1.0, 1.0], 4) == [0, 1, 2, 3]  # one below: three above
-    assert balanced([-0.5, 1.5], 2) == [0, 1]
+    assert ds.balanced([-0.3, -0.3, -0.3, -0.3, 2.5, -0.3, -0.3, 1.0], 4) == [0, 1, 4, 7]
+    assert ds.balanced([-1.0, 3.0, -1.0, -1.0, -1.0, -1.0], 4) == [0, 1, 2, 3]  # one above: three below
+    assert ds.balanced([1.0, 1.0, 1.0, -3.0, 1.0, 1.0], 4) == [0, 1, 2, 3]  # one below: three above
+    assert ds.balanced([-0.5, 1.5], 2) == [0, 1]
 
 
 def test_concat_outputs_pads_prompts_left_and_completions_right():
-    from grpo_pipeline.training.trainer import concat_outputs
-
     a = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
          "completion_ids": torch.tensor([[7]]), "completion_mask": torch.tensor([[1]]),
          "advantages": torch.tensor([0.5]), "num_items_in_batch": torch.tensor(1)}
     b = {"prompt_ids": torch.tensor([[4, 5, 6]]), "prompt_mask": torch.tensor([[1, 1, 1]]),
          "completion_ids": torch.tensor([[8, 9]]), "completion_mask": torch.tensor([[1, 1]]),
          "advantages": torch.tensor([-0.5]), "num_items_in_batch": torch.tensor(2)}
-    out = concat_outputs(a, b, pad_id=0)
+    out = ds.concat_outputs(a, b, pad_id=0)
     assert out["prompt_ids"].tolist() == [[0, 5, 6], [4, 5, 6]] and out["prompt_mask"].tolist() == [[0, 1, 1], [1, 1, 1]]
     assert out["completion_ids"].tolist() == [[7, 0], [8, 9]] and out["completion_mask"].tolist() == [[1, 0], [1, 1]]
     assert out["advantages"].tolist() == [0.5, -0.5] and out["num_items_in_batch"].item() == 1
+
+
+def test_only_flat_groups_below_the_best_are_resampled_up_to_the_need_and_the_limit():
+    # groups of 2: flat at the best | flat below | spread | flat below | flat, unscored
+    totals = [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.2, 0.2, None, None]
+    spread = ds.spread_of_groups(totals, torch.zeros(10), 2)
+    assert spread == [False, False, True, False, False]
+    assert ds.flat_groups_to_resample(totals, spread, 2, need=3, limit=8) == [1, 3]
+    assert ds.flat_groups_to_resample(totals, spread, 2, need=1, limit=8) == [1]
+    assert ds.flat_groups_to_resample(totals, spread, 2, need=3, limit=1) == [1]
+    assert ds.flat_groups_to_resample(totals, spread, 2, need=0, limit=8) == []
+    assert ds.flat_groups_to_resample([None] * 4, [False, False], 2, need=2, limit=8) == []
+
+
+def test_a_rescued_group_trains_a_balanced_pair_with_advantages_over_all_its_samples():
+    # first round: group 0 flat at 0, group 1 spread; extra round: 2 more of group 0, one right
+    totals, more = [0.0, 0.0, 1.0, 0.0], [1.0, 0.0]
+    advantages = torch.tensor([0.0, 0.0, 0.7, -0.7, 0.0, 0.0])
+    rows, out, rescued = ds.rescue_groups(totals, more, [0], 2, 2, advantages, "group")
+    # group 0's samples: [0, 0, 1, 0]: mean 0.25, std 0.5 -> (0 - 0.25) / 0.5001, (1 - 0.25) / 0.5001
+    low, high = -0.25 / 0.5001, 0.75 / 0.5001
+    assert rescued == [0] and rows == [0, 4, 2, 3]  # the earliest below-average sample and the one above
+    assert out.tolist() == pytest.approx([low, low, 0.7, -0.7, high, low], abs=1e-5)
+    assert advantages[4].item() == 0.0  # the input is not changed
+    # scale_rewards=none: not divided; an extra round that stays flat rescues nothing
+    assert ds.rescue_groups(totals, more, [0], 2, 2, advantages, "none")[1][:2].tolist() == [-0.25, -0.25]
+    assert ds.rescue_groups(totals, [0.0, 0.0], [0], 2, 2, advantages, "group")[::2] == ([0, 1, 2, 3], [])
+
+
+def test_keep_groups_sets_negative_groups_advantages_and_zeroes_a_batch_with_nothing_to_learn():
+    advantages = torch.tensor([0.0, 0.0, 0.5, -0.5, 0.0, 0.0])
+    kept = ds.keep_groups(advantages, [False, True, False], 2, cap=2, negative={2: [-0.3, -0.3]})
+    assert kept.rows.tolist() == [2, 3, 4, 5] and kept.advantages.tolist() == pytest.approx([0.5, -0.5, -0.3, -0.3])
+    assert (kept.trained, kept.negative) == (1, 1) and advantages[4].item() == 0.0
+    kept = ds.keep_groups(torch.tensor([0.2, 0.2, 0.0, 0.0]), [False, False], 2, cap=2)
+    assert kept.rows.tolist() == [0, 1] and kept.advantages.tolist() == [0.0, 0.0] and kept.trained == 0
 
 
 class HardOddRowsEnv:

@@ -107,3 +107,25 @@ def test_epochs_decide_when_given_and_a_step_bound_says_it_wins(compose_cfg, cap
         out, lines = steps(["training.num_epochs=3", "training.max_steps=20"])
     assert "training.max_steps" not in out and "training.num_epochs=3 is ignored" in caplog.text
     assert steps(["env=hotel"])[0].get("training.max_steps") is None  # hotel's recipe: 80 steps
+
+
+def test_the_runtimes_vllm_takes_its_settings_from_the_plan(compose_cfg, tmp_path, monkeypatch):
+    from grpo_pipeline.config.plan import make_plan
+    from grpo_pipeline.envs.runner import EpisodeRunner
+    from grpo_pipeline.evaluation.heldout import Split
+    from grpo_pipeline.rollout import turns
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = compose_cfg([*tiny_overrides(tmp_path), "vllm=colocate", "vllm.max_model_len=384", "seed=7"])
+    env, tokenizer, dataset, tools = recipe.load_env_and_dataset(cfg, render_tools=False)
+    plan = make_plan(cfg, env, tokenizer, Split(dataset, None, None), tools, "Arithmetic")
+    assert plan.backend == "runtime+vllm"
+    assert plan.vllm_engine == {"dtype": "float32", "max_model_len": 384, "sync": "weights", "lora_rank": cfg.lora.r,
+                                "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization, "seed": 7}
+    started = []
+    monkeypatch.setattr(turns, "VllmBackend", lambda path, **settings: started.append((path, settings)) or "engine")
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, [], sampling=recipe.sampling(cfg.generation))
+    rollout = turns.make_rollout(plan, env, tokenizer, runner, lambda: "/the/model")
+    assert rollout.uses_vllm and not started  # started on first use, not when the rollout is built
+    assert rollout._vllm_factory() == "engine" and started == [("/the/model", plan.vllm_engine)]
+    assert json.loads(json.dumps(plan.as_dict()))["vllm_engine"]["max_model_len"] == 384  # in plan.json

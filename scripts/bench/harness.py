@@ -94,7 +94,9 @@ def rollout(overrides: list[str]):
     plan = make_plan(cfg, env, tokenizer, Split(dataset, None, None), tools, type(env).__qualname__)
     columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, columns, sampling=sampling(cfg.generation))
-    return make_rollout(cfg, plan, env, tokenizer, runner), cfg, tokenizer, dataset, columns
+    from grpo_pipeline.models import model_dir
+
+    return make_rollout(plan, env, tokenizer, runner, lambda: model_dir(cfg.model)), cfg, tokenizer, dataset, columns
 
 
 def lora_policy(cfg, tokenizer, targets: list[str] | None = None):

@@ -34,7 +34,7 @@ from grpo_pipeline.envs.loader import (
 from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split_heldout
-from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules
+from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_dir
 from grpo_pipeline.prompts import attach_tools, place_tools
 from grpo_pipeline.rewards.assemble import build_rewards
 from grpo_pipeline.rollout.turns import make_rollout
@@ -145,7 +145,7 @@ def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str]
     given, cfg = cfg, plan.applied(cfg)  # the run's config: the step fitted to the data; the one given is kept
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(cfg.generation))
-    rollout = make_rollout(cfg, plan, env, tokenizer, runner)  # None: TRL generates
+    rollout = make_rollout(plan, env, tokenizer, runner, lambda: model_dir(cfg.model))  # None: TRL generates
     if rollout is not None and rollout.multi_turn:
         rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn
     if rollout is not None and rollout.uses_vllm:

@@ -51,6 +51,7 @@ class RunPlan:
     val_prompts: int
     test_prompts: int
     recipe: dict[str, Any] = field(default_factory=dict)  # training.learning_rate, .max_steps, .num_epochs
+    vllm_engine: dict[str, Any] | None = None  # the runtime's vLLM (backend runtime+vllm): VllmBackend's settings
     choices: tuple[Choice, ...] = field(default=())
 
     @property
@@ -155,11 +156,17 @@ def make_plan(cfg: DictConfig, env: Any, tokenizer, split, tool_functions: list,
     choices.append(Choice("loss", loss.loss_type, f"beta (loss.kl_coef)={loss.kl_coef:g}"
                           + (" with a reference model" if loss.kl_coef else ", no reference model")
                           + f", clip {loss.clip_range:g}" + (f"/{loss.epsilon_high:g}" if loss.epsilon_high else "")))
+    engine = None
+    if backend == "runtime+vllm":
+        engine = {"dtype": cfg.model.dtype, "max_model_len": cfg.vllm.max_model_len, "sync": sync,
+                  "lora_rank": cfg.lora.r if cfg.lora.enabled else None,
+                  "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization, "seed": cfg.seed}
     return RunPlan(backend=backend, multi_turn=multi_turn, device="cuda" if gpu else "cpu",
                    generation_dtype=dtype, merged_generation=bool(merged), packed_generation=packed,
                    weight_sync=sync, max_turns=max_turns, turn_tokens=turn_tokens,
                    max_episode_tokens=max_episode_tokens, step=step, train_prompts=len(split.train),
-                   val_prompts=n_val, test_prompts=n_test, recipe=recipe, choices=tuple(choices))
+                   val_prompts=n_val, test_prompts=n_test, recipe=recipe, vllm_engine=engine,
+                   choices=tuple(choices))
 
 
 STEPS = 50  # training.max_steps=null without num_epochs: the default run's length (~9-12 min, docs/results.md)

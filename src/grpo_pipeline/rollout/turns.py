@@ -21,6 +21,7 @@ did not see (its last sampled token and the env's reply), not the whole conversa
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,6 @@ import torch
 
 from grpo_pipeline.envs.loader import get_tool_schemas
 from grpo_pipeline.errors import ConfigError
-from grpo_pipeline.models import model_dir
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
 from grpo_pipeline.rollout.decode import RowCache, cached_rows, decode, expand_cache
 from grpo_pipeline.rollout.policy_copy import MergedCopy
@@ -58,20 +58,22 @@ class Trajectory:
         return "".join(str(m.get("content") or "") for m in self.messages if m.get("role") == "assistant")
 
 
-def make_rollout(cfg, plan, env, tokenizer, runner) -> "Rollout | None":
+def make_rollout(plan, env, tokenizer, runner, model_path: Callable[[], str] | None = None) -> "Rollout | None":
     """The runtime's own generation for this run as its plan decided (config/plan.py), or None where TRL
     generates (its tool loop for `get_tool_functions`, its vLLM). Multi-turn for an env with `respond`; a single
-    turn otherwise (the same batched generate with the shared-prefix cache, and the sampled tokens' log-probs)."""
+    turn otherwise (the same batched generate with the shared-prefix cache, and the sampled tokens' log-probs).
+    `model_path()`: the folder vLLM loads (backend runtime+vllm), asked for when the engine starts."""
     if not plan.runtime_generates:
         return None
     tools = get_tool_schemas(env) if supports_tools(tokenizer) else None
     dtype = getattr(torch, plan.generation_dtype) if plan.generation_dtype else None
     vllm = None
     if plan.runtime_vllm:
+        if model_path is None:
+            raise ValueError("make_rollout: the plan's backend is runtime+vllm; pass model_path")
+
         def vllm():  # started on first use (~40 s on 2 cores): after every cheap check
-            return VllmBackend(model_dir(cfg.model), dtype=cfg.model.dtype, max_model_len=cfg.vllm.max_model_len,
-                               sync=plan.weight_sync, lora_rank=cfg.lora.r if cfg.lora.enabled else None,
-                               gpu_memory_utilization=cfg.vllm.gpu_memory_utilization, seed=cfg.seed)
+            return VllmBackend(model_path(), **plan.vllm_engine)
     return Rollout(env, tokenizer, runner, max_turns=plan.max_turns, turn_tokens=plan.turn_tokens,
                    max_episode_tokens=plan.max_episode_tokens, tools=tools, merged_generation=plan.merged_generation,
                    sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation, vllm_sync=plan.weight_sync)

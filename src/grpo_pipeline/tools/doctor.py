@@ -61,7 +61,7 @@ def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.envs.loader import get_tool_schemas
     from grpo_pipeline.envs.runner import EpisodeRunner, score_problem
     from grpo_pipeline.evaluation.heldout import Split, generate
-    from grpo_pipeline.models import load_model
+    from grpo_pipeline.models import load_model, model_dir
     from grpo_pipeline.prompts import render_prompt
     from grpo_pipeline.recipe import load_env_and_dataset, sampling
     from grpo_pipeline.rollout.turns import make_rollout
@@ -92,7 +92,8 @@ def run_check(cfg: DictConfig) -> Report:
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
     plan = make_plan(cfg, env, tokenizer, Split(dataset, None, None), [], name)
-    rollout = make_rollout(cfg, plan, env, tokenizer, runner) if plan.multi_turn else None  # single turns: as TRL
+    # single turns: as TRL
+    rollout = make_rollout(plan, env, tokenizer, runner, lambda: model_dir(cfg.model)) if plan.multi_turn else None
     set_seed(cfg.seed)  # the same config samples the same completions: a report can be reproduced
     started = time.monotonic()
     failures = [None] * len(prompts)

@@ -9,6 +9,7 @@ turns), the env mask (env tokens carry no loss) and the sampled tokens' log-prob
 import os
 import statistics
 import traceback
+from contextlib import contextmanager
 
 import torch
 import trl
@@ -17,7 +18,9 @@ from trl import GRPOTrainer
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
 from grpo_pipeline.envs.runner import as_real
 from grpo_pipeline.rollout.turns import Rollout
+from grpo_pipeline.training import dynamic_sampling as ds
 from grpo_pipeline.training import prefix_logps
+from grpo_pipeline.training.dynamic_sampling import loss_mask, reward_totals
 
 TESTED_TRL = "1.16"  # PipelineTrainer overrides private GRPOTrainer methods: the minor version it was tested on
 
@@ -33,9 +36,6 @@ def check_trl(version: str) -> None:
 check_trl(trl.__version__)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL 1.16; we pin and test it
-
-FLAT = 1e-3  # |advantage| below this everywhere in a group: the group is flat (when no rewards are at hand)
-REWARD_TIE = 1e-6  # rewards of a group within this of each other: the group is flat
 
 
 class PipelineTrainer(GRPOTrainer):
@@ -150,150 +150,77 @@ class PipelineTrainer(GRPOTrainer):
         return out, logs
 
     def _resample_flat_groups(self, inputs, out: dict, logs: dict):
-        """Adaptive sampling for flat groups (Reinforce-Ada, Xiong et al. 2025, arXiv:2510.04996): when the first
-        round leaves the step short of groups with reward spread, the flat groups that scored below the batch's
-        best get `resample_flat` more completions of the same prompt. A group whose completions now differ is
-        trained on: its advantages come from all its samples (first round and resampled), and `num_generations`
-        of them are kept, as balanced between above- and below-average as they allow. Returns the output (same
-        rows, resampled groups swapped in), the groups with spread (None where no rewards could be read: dynamic
-        sampling then reads the advantages), and the extra round (inputs, logs) or None."""
+        """Adaptive sampling for flat groups (training/dynamic_sampling.py): when the first round leaves the step
+        short of groups with reward spread, the flat groups that scored below the batch's best get `resample_flat`
+        more completions of the same prompt (one more TRL generation round, whose own metrics are not logged). A
+        group whose completions now differ is trained on a balanced `num_generations` of all its samples. Returns
+        the output (same rows, resampled groups swapped in), the groups with spread (None where no rewards could be
+        read: dynamic sampling then reads the advantages), and the extra round (inputs, logs) or None."""
         size = self.num_generations
-        groups = out["advantages"].size(0) // size
-        totals = _batch_totals(self, logs, groups * size)
+        n = out["advantages"].size(0)
+        totals = _batch_totals(self, logs, n)
         if totals is None:  # no rewards to read flatness from: dynamic sampling reads the advantages
             return out, None, None
-        spread = [has_spread(totals[g * size:(g + 1) * size]) for g in range(groups)]
+        spread = ds.spread_of_groups(totals, out["advantages"], size)
         need = self.train_completions // size - sum(spread)
-        scored = [t for t in totals if t is not None]
-        if need <= 0 or not scored:
+        if need <= 0 or all(t is None for t in totals):
             return out, spread, None
-        best = max(scored)
-        chosen = [g for g in range(groups) if not spread[g]
-                  and any(t is not None and t < best - REWARD_TIE for t in totals[g * size:(g + 1) * size])]
         extra = self.resample_flat
-        chosen = chosen[:min(need, self.args.generation_batch_size // extra)]  # TRL's logs hold one batch's worth
+        # TRL's logs hold one batch's worth
+        chosen = ds.flat_groups_to_resample(totals, spread, size, need, self.args.generation_batch_size // extra)
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/groups_resampled"].append(float(len(chosen)))
         if not chosen:
             metrics["dynamic_sampling/groups_rescued"].append(0.0)
             return out, spread, None
         more = [dict(inputs[g * size]) for g in chosen for _ in range(extra)]  # TRL writes rollout fields into rows
-        logged = {k: len(v) for k, v in metrics.items()}  # the extra round's own TRL metrics would skew the step's
-        out2, logs2 = self._sample_round(more)
-        for key in list(metrics):
-            if key not in logged:
-                del metrics[key]
-            else:
-                del metrics[key][logged[key]:]
+        with _metrics_kept(metrics):  # the extra round's own TRL metrics would skew the step's
+            out2, logs2 = self._sample_round(more)
         totals2 = _batch_totals(self, logs2, len(more))
         if totals2 is None:  # not scored as the first round was (cannot happen with one reward setup)
             metrics["dynamic_sampling/groups_rescued"].append(0.0)
             return out, spread, (more, logs2)
-        both = concat_outputs(out, out2, self._tokenizer.pad_token_id or 0)
-        rows = list(range(groups * size))
-        advantages = both["advantages"].clone()
-        everything = [t for t in totals + totals2 if t is not None]
-        batch_std = torch.tensor(everything, dtype=torch.float64).std().item() if len(everything) > 1 else 0.0
-        rescued = 0
-        for c, g in enumerate(chosen):
-            index = [g * size + i for i in range(size)] + [groups * size + c * extra + j for j in range(extra)]
-            union = [totals[i] if i < groups * size else totals2[i - groups * size] for i in index]
-            if not has_spread(union):
-                continue
-            union_adv = self._union_advantages(union, batch_std)
-            keep = balanced(union_adv, size)
-            for slot, k in enumerate(keep):
-                rows[g * size + slot] = index[k]
-            advantages[index] = torch.tensor(union_adv, dtype=advantages.dtype, device=advantages.device)
+        both = ds.concat_outputs(out, out2, self._tokenizer.pad_token_id or 0)
+        rows, advantages, rescued = ds.rescue_groups(totals, totals2, chosen, size, extra, both["advantages"],
+                                                     self.scale_rewards)
+        for g in rescued:
             spread[g] = True
-            rescued += 1
-        metrics["dynamic_sampling/groups_rescued"].append(float(rescued))
-        logs["advantages"] = advantages[:groups * size].tolist()  # the ledger shows the advantages the union gave
-        logs2["advantages"] = advantages[groups * size:].tolist()
+        metrics["dynamic_sampling/groups_rescued"].append(float(len(rescued)))
+        logs["advantages"] = advantages[:n].tolist()  # the ledger shows the advantages the union gave
+        logs2["advantages"] = advantages[n:].tolist()
         both["advantages"] = advantages
-        return select_rows(both, torch.tensor(rows, device=advantages.device)), spread, (more, logs2)
-
-    def _union_advantages(self, totals: list[float | None], batch_std: float) -> list[float]:
-        """TRL's advantages (sum_then_normalize) for one group of any size: reward minus the group mean, divided by
-        the group's std + 1e-4 (scale_rewards=group; batch: the std of every reward of the step; none: not
-        divided); unscored completions get 0."""
-        values = torch.tensor([float("nan") if t is None else t for t in totals], dtype=torch.float64)
-        scored = values[~values.isnan()]
-        advantages = values - scored.mean()
-        if self.scale_rewards != "none":
-            advantages = advantages / ((scored.std().item() if self.scale_rewards == "group" else batch_std) + 1e-4)
-        return torch.nan_to_num(advantages, nan=0.0).float().tolist()
+        return ds.select_rows(both, torch.tensor(rows, device=advantages.device)), spread, (more, logs2)
 
     def _keep_groups_with_spread(self, out: dict, spread: list[bool] | None = None, logs: dict | None = None) -> dict:
-        """Dynamic sampling: of the groups sampled, keep (in sampling order) up to train_completions' worth whose
-        rewards differ; with `flat_negative`, slots still free go to flat groups that scored below the step's mean
-        (_negative_flat_groups); if nothing is kept, one flat group with its advantages set to 0 (it trains
-        nothing). Flatness is read from the rewards (TRL's weighted total, as in its frac_reward_zero_std), not the
-        advantages, which a float mean over a tiny std can push off 0. The loss normalizer is recounted for the
-        rows kept. `logs`: what TRL logged for this batch (default: its current logs)."""
+        """Dynamic sampling (training/dynamic_sampling.py): of the groups sampled, keep (in sampling order) up to
+        train_completions' worth whose rewards differ; with `flat_negative`, slots still free go to flat groups that
+        scored below the step's mean; if nothing is kept, one flat group with its advantages set to 0. The loss
+        normalizer is recounted for the rows kept. `logs`: what TRL logged for this batch (default: its current
+        logs); the ledger's advantages there are updated to the ones trained."""
         size = self.num_generations
         advantages = out["advantages"]
-        groups = advantages.size(0) // size
+        n = advantages.size(0)
+        totals = _batch_totals(self, logs if logs is not None else getattr(self, "_logs", {}), n)
         if spread is None:
-            spread = self._groups_with_spread(advantages, groups, size)
+            spread = ds.spread_of_groups(totals, advantages, size)
         cap = self.train_completions // size
-        kept = [g for g in range(groups) if spread[g]][:cap]
         negative = {}
-        if self.flat_negative and len(kept) < cap:
-            negative = self._negative_flat_groups(spread, groups, cap - len(kept), logs)
-            if negative:
-                advantages = advantages.clone()
-                for g, values in negative.items():
-                    advantages[g * size:(g + 1) * size] = torch.tensor(values, dtype=advantages.dtype)
-                out = {**out, "advantages": advantages}
-                if logs is not None and len(logs.get("advantages", ())) == groups * size:
-                    for g, values in negative.items():  # the ledger shows the advantages trained on
-                        logs["advantages"][g * size:(g + 1) * size] = values
-        chosen = sorted(kept + list(negative))
-        out = select_rows(out, torch.tensor([g * size + i for g in chosen or [0] for i in range(size)],
-                                            device=advantages.device))
-        if not chosen:
-            out["advantages"] = torch.zeros_like(out["advantages"])
-        out["num_items_in_batch"] = loss_mask(out).sum()
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/groups_sampled"].append(float(groups))
-        metrics["dynamic_sampling/groups_trained"].append(float(len(kept)))
         if self.flat_negative:
-            metrics["dynamic_sampling/groups_negative"].append(float(len(negative)))
+            negative = ds.negative_flat_groups(totals, spread, size, cap - min(cap, sum(spread)), self.flat_negative,
+                                               self.scale_rewards)
+            if logs is not None and len(logs.get("advantages", ())) == n:
+                for g, values in negative.items():  # the ledger shows the advantages trained on
+                    logs["advantages"][g * size:(g + 1) * size] = values
+        kept = ds.keep_groups(advantages, spread, size, cap, negative)
+        out = ds.select_rows(out, kept.rows)
+        out["advantages"] = kept.advantages
+        out["num_items_in_batch"] = ds.loss_mask(out).sum()
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/groups_sampled"].append(float(len(spread)))
+        metrics["dynamic_sampling/groups_trained"].append(float(kept.trained))
+        if self.flat_negative:
+            metrics["dynamic_sampling/groups_negative"].append(float(kept.negative))
         return out
-
-    def _negative_flat_groups(self, spread: list[bool], groups: int, free: int,
-                              logs: dict | None) -> dict[int, list[float]]:
-        """Negative sample reinforcement for flat groups (Zhu et al. 2025, arXiv:2506.01347): a group whose
-        completions all scored the same has no GRPO signal, however wrong they are; when the policy is sure of a
-        wrong answer, every sample repeats it. Up to `free` such groups, in sampling order, that scored below the
-        mean of the step's rewards get the advantage flat_negative x (reward - mean) / std over the step's rewards
-        (not divided with scale_rewards=none): the answer they agree on is pushed down. Unscored completions get 0.
-        Returns {group: per-completion advantages}; empty where the step's rewards cannot be read."""
-        size = self.num_generations
-        totals = _batch_totals(self, logs if logs is not None else getattr(self, "_logs", {}), groups * size)
-        scored = [t for t in totals or [] if t is not None]
-        if len(scored) < 2:
-            return {}
-        step = torch.tensor(scored, dtype=torch.float64)
-        mean, std = step.mean().item(), step.std().item()
-        chosen = {}
-        for g in range(groups):
-            group = totals[g * size:(g + 1) * size]
-            score = next((t for t in group if t is not None), None)
-            if len(chosen) == free:
-                break
-            if spread[g] or score is None or score >= mean - REWARD_TIE:
-                continue
-            advantage = (score - mean) / ((std + 1e-4) if self.scale_rewards != "none" else 1.0)
-            chosen[g] = [0.0 if t is None else self.flat_negative * advantage for t in group]
-        return chosen
-
-    def _groups_with_spread(self, advantages: torch.Tensor, groups: int, size: int) -> list[bool]:
-        totals = _batch_totals(self, getattr(self, "_logs", {}), advantages.size(0))
-        if totals is None:  # no rewards of this batch at hand: read the advantages
-            return (advantages.view(groups, size).abs() > FLAT).any(dim=1).tolist()
-        return [has_spread(totals[g * size:(g + 1) * size]) for g in range(groups)]
 
     def _record_episodes(self, rows: list[dict], logs: dict) -> None:
         """A generation batch (all processes, gathered; logs: what TRL logged for it) into the ledger. With
@@ -309,13 +236,6 @@ class PipelineTrainer(GRPOTrainer):
                            transcripts="transcript" in extra)
 
 
-def reward_totals(rewards: dict[str, list[float]], weights: list[float]) -> list[float | None]:
-    """Per completion, the weighted sum of its reward functions' scores as TRL sums them (a function that returned
-    None, NaN here, did not score it); None where no function scored it (TRL gives it advantage 0)."""
-    return [None if all(r != r for r in parts) else sum(w * r for w, r in zip(weights, parts, strict=True) if r == r)
-            for parts in zip(*rewards.values(), strict=True)]
-
-
 def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
     """The reward totals (reward_totals) of the n completions TRL logged in `logs`, or None where they cannot be
     read so: logs of another batch, or normalize_then_sum (its advantages are not a group's reward spread)."""
@@ -326,53 +246,18 @@ def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
     return reward_totals(rewards, trainer.reward_weights.tolist())
 
 
-def loss_mask(batch: dict) -> torch.Tensor:
-    """The tokens a TRL batch trains on: the completion's, less the env's (tool_mask) in multi-turn episodes."""
-    return batch["completion_mask"] if "tool_mask" not in batch else batch["completion_mask"] * batch["tool_mask"]
-
-
-def has_spread(totals: list[float | None]) -> bool:
-    """A group's rewards differ: at least two scored, further apart than REWARD_TIE."""
-    scored = [t for t in totals if t is not None]
-    return len(scored) > 1 and max(scored) - min(scored) > REWARD_TIE
-
-
-def select_rows(out: dict, rows: torch.Tensor) -> dict:
-    """The given rows of every per-row tensor of a TRL batch; other values as they are."""
-    n = out["advantages"].size(0)
-    return {k: v.index_select(0, rows) if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n else v
-            for k, v in out.items()}
-
-
-def balanced(advantages: list[float], size: int) -> list[int]:
-    """`size` indices of a group with spread: up to half above average (advantage > 0), the rest below, topped up
-    from whichever side has more; earlier samples first on each side."""
-    above = [i for i, a in enumerate(advantages) if a > 0]
-    below = [i for i, a in enumerate(advantages) if a <= 0]
-    take = min(len(above), max(1, size // 2))
-    keep = above[:take] + below[:size - take]
-    keep += above[take:take + size - len(keep)]
-    return sorted(keep)
-
-
-def concat_outputs(a: dict, b: dict, pad_id: int) -> dict:
-    """Two outputs of TRL's _generate_and_score_completions as one batch: per-row tensors padded to a common width
-    (prompts on the left, as TRL pads them; completion-aligned tensors on the right) and stacked; other values
-    are a's."""
-    n, m = a["advantages"].size(0), b["advantages"].size(0)
-    out = dict(a)
-    for key, x in a.items():
-        y = b.get(key)
-        if not (torch.is_tensor(x) and torch.is_tensor(y) and x.dim() > 0 and x.size(0) == n and y.size(0) == m):
-            continue
-        if x.dim() > 1 and x.size(1) != y.size(1):
-            width = max(x.size(1), y.size(1))
-            value = pad_id if key.endswith("_ids") else 0
-            left = key.startswith("prompt")
-            x, y = (torch.nn.functional.pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)),
-                                            value=value) for t in (x, y))
-        out[key] = torch.cat([x, y])
-    return out
+@contextmanager
+def _metrics_kept(metrics: dict):
+    """What TRL appends to `metrics` inside is dropped: the step's metrics stay those of its first round."""
+    logged = {k: len(v) for k, v in metrics.items()}
+    try:
+        yield
+    finally:
+        for key in list(metrics):
+            if key not in logged:
+                del metrics[key]
+            else:
+                del metrics[key][logged[key]:]
 
 
 class _RuntimeSyncsWeights:
