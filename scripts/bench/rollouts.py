@@ -1,7 +1,9 @@
 """HF (the runtime's decode loop) vs vLLM (vllm=colocate) for rollouts and whole training steps, side by side;
 and the HF loop from its copy with prepacked weights (the default on a CPU) vs plain torch layers (`unpacked`);
 and, for rollouts, transformers' own `model.generate` (`generate`: the merged copy in plain torch layers, every
-turn prefilled from the start, no shared-prefix or turn cache: what "HF generate" means outside this runtime).
+turn prefilled from the start, no shared-prefix or turn cache: what "HF generate" means outside this runtime) and
+transformers' continuous batching (`batching`: `model.generate_batch` with its paged KV cache, the same copy, every
+turn prefilled from the start).
 
 vLLM gets the policy both ways `vllm.weight_sync` offers: its weights (LoRA merged) loaded in place before each
 rollout (`weights`), or the adapter as a LoRARequest (`adapter`). Runs in the CPU vLLM venv
@@ -17,7 +19,7 @@ Same prompts, same sampling (temperature 1, no top-k/top-p). Each rollout figure
 after a warm-up, the weight push included; the backends alternate.
 
     make install-vllm && .venv-vllm/bin/python scripts/bench/rollouts.py
-    .venv/bin/python scripts/bench/rollouts.py --modes off unpacked generate     # the HF side alone, no vLLM
+    .venv/bin/python scripts/bench/rollouts.py --modes off unpacked generate batching  # the HF side alone, no vLLM
 """
 
 import argparse
@@ -51,19 +53,20 @@ def main() -> None:
     if args.steps > 1:
         for env in args.step_envs:
             _row(table, f"whole step, {env}", {mode: _step_time(env, mode, args.steps) for mode in args.modes
-                                               if mode != "generate"})
+                                               if mode not in LIBRARY})
 
 
 # vllm=off (HF decode loop; `unpacked`: its copy without prepacked weights), vllm=colocate with each vllm.weight_sync,
-# `generate`: transformers' model.generate (rollouts only)
-MODES = ("off", "unpacked", "weights", "adapter", "generate")
-SLOWER = ("unpacked", "generate")  # HF ways slower than the default loop: their ratio is theirs / off
+# `generate`: transformers' model.generate, `batching`: its continuous batching (rollouts only)
+MODES = ("off", "unpacked", "weights", "adapter", "generate", "batching")
+SLOWER = ("unpacked", "generate", "batching")  # HF ways slower than the default loop: their ratio is theirs / off
+LIBRARY = ("generate", "batching")  # transformers' own generation, rollouts only
 HEADER = {"off": "HF decode", "unpacked": "HF unpacked", "weights": "vLLM weights", "adapter": "vLLM adapter",
-          "generate": "generate"}
+          "generate": "generate", "batching": "cont. batching"}
 
 
 def _overrides(mode: str) -> list[str]:
-    if mode in ("off", "unpacked", "generate"):
+    if mode in ("off", "unpacked", *LIBRARY):
         return ["vllm=off", f"runtime.packed_generation={'null' if mode == 'off' else 'false'}"]
     return ["vllm=colocate", f"vllm.weight_sync={mode}"]
 
@@ -90,7 +93,7 @@ def _rollouts(table, env_name: str, batch: int, repeats: int, modes: list[str]) 
     for mode in modes:
         rollout, cfg, tokenizer, dataset, columns = harness.rollout(
             [f"env={env_name}", *_overrides(mode), "vllm.max_model_len=2048"])
-        if mode == "generate":
+        if mode in LIBRARY:
             rollout.reuse_cache = False  # every turn prefilled from the start, as generate() does
         runs[mode] = (rollout, cfg)
     policy = harness.lora_policy(cfg, tokenizer)  # the default: every linear layer
@@ -104,7 +107,7 @@ def _rollouts(table, env_name: str, batch: int, repeats: int, modes: list[str]) 
 
     def timed(mode, repeat):
         torch.manual_seed(repeat)  # the HF loops (packed or not) then sample the same tokens in a repeat
-        with _hf_generate(mode == "generate"):
+        with _hf_generate({"generate": _generate, "batching": _continuous}.get(mode)):
             trajs = runs[mode][0].run(policy, prompts, rows, sample)
         tokens[mode].append(sum(sum(t.env_mask) for t in trajs))
 
@@ -121,13 +124,14 @@ def _rollouts(table, env_name: str, batch: int, repeats: int, modes: list[str]) 
 
 
 @contextlib.contextmanager
-def _hf_generate(on: bool):
-    """With `on`, the runtime's turns sampled by transformers' model.generate instead of its own decode loop."""
+def _hf_generate(instead=None):
+    """The runtime's turns sampled by `instead` (transformers' generate or continuous batching) instead of its own
+    decode loop; None: its own."""
     from grpo_pipeline.rollout import turns as rollout
 
     own = rollout.generate
-    if on:
-        rollout.generate = _generate
+    if instead is not None:
+        rollout.generate = instead
     try:
         yield
     finally:
@@ -159,6 +163,32 @@ def _generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefi
     logps = (torch.stack([torch.log_softmax(x.float() / temperature, -1) for x in out.logits], 1).gather(-1, new[..., None])
              .squeeze(-1).tolist() if with_logprobs else [[0.0] * new.size(1)] * new.size(0))
     return _cut_at_eos(new.tolist(), logps, eos_ids)
+
+
+def _continuous(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefix=None, with_logprobs=True,
+                caches=None, snapshots=None):
+    """rollout.generate's contract through transformers' continuous batching (model.generate_batch: a paged KV
+    cache, requests scheduled as they finish, the sampled tokens' log-probs from its own sampler)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from grpo_pipeline.rollout.decode import _cut_at_eos
+
+    sample = bool(sampling.get("do_sample"))
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
+                              temperature=float(sampling.get("temperature") or 1.0) if sample else None,
+                              top_k=int(sampling.get("top_k") or 0) if sample else None,
+                              top_p=float(sampling.get("top_p") or 1.0) if sample else None,
+                              eos_token_id=list(eos_ids), pad_token_id=pad_id)
+    out = model.generate_batch([list(s) for s in sequences], generation_config=config, warmup=False,
+                               continuous_batching_config=ContinuousBatchingConfig(return_logprobs=with_logprobs))
+    results = list(out.values())
+    if len(results) != len(sequences) or any(r.error for r in results):
+        raise RuntimeError(f"continuous batching: {len(results)} of {len(sequences)} requests came back "
+                           f"({[r.error for r in results if r.error][:1]})")
+    new = [list(r.generated_tokens) for r in results]
+    logps = [list(r.logprobs) if with_logprobs and r.logprobs else [0.0] * len(t)
+             for r, t in zip(results, new, strict=True)]
+    return _cut_at_eos(new, logps, eos_ids)
 
 
 def _step_time(env_name: str, mode: str, steps: int) -> float:
