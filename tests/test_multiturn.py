@@ -240,6 +240,7 @@ def test_a_multi_turn_run_resumes_from_its_checkpoint(compose_cfg, tmp_path):
     assert sorted(set(steps)) == [1, 2, 3] and all(steps.count(s) == 4 for s in (1, 2, 3))
 
 
+@pytest.mark.slow  # ~15-20 s of subprocess launches; its behaviour's core is covered in the default suite
 def test_a_multirun_sweep_over_the_hotel_env(tmp_path):
     import subprocess
     import sys

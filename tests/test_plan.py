@@ -129,3 +129,18 @@ def test_the_runtimes_vllm_takes_its_settings_from_the_plan(compose_cfg, tmp_pat
     assert rollout.uses_vllm and not started  # started on first use, not when the rollout is built
     assert rollout._vllm_factory() == "engine" and started == [("/the/model", plan.vllm_engine)]
     assert json.loads(json.dumps(plan.as_dict()))["vllm_engine"]["max_model_len"] == 384  # in plan.json
+
+
+def test_a_run_whose_length_and_rate_the_plan_decides_starts_and_says_them(compose_cfg, tmp_path):
+    # the default config leaves training.max_steps and training.learning_rate null: the run is described (MLflow's
+    # description) with what the plan applied, not the nulls given (make run failed on that once)
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("training.max_steps")]
+    cfg = compose_cfg([*overrides, "training.max_steps=null", "training.learning_rate=null",
+                       "training.num_epochs=0.2"])
+    result = recipe.train(cfg, launch_dir=str(tmp_path))
+    assert result.steps >= 1
+    note = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.tags[
+        "mlflow.note.content"]
+    from grpo_pipeline.config.plan import LORA_LR
+
+    assert "0.2 epochs" in note and f"lr {LORA_LR:g}" in note  # the plan's length and rate (null given)

@@ -243,6 +243,7 @@ def test_sigterm_during_training_stops_the_whole_sweep(tmp_path):
     assert not (tmp_path / "sweep" / "1").exists() and not (tmp_path / "sweep" / "2").exists()
 
 
+@pytest.mark.slow  # ~15-20 s of subprocess launches; its behaviour's core is covered in the default suite
 def test_sigint_before_training_stops_the_whole_sweep(tmp_path):
     proc = _start_sweep(tmp_path, "+env.block_in_build=true", "+env.delay=0.1,0.05,0.01")
     _wait_until(lambda: (tmp_path / "building").exists(), proc, "job 0 building its dataset")
@@ -288,6 +289,7 @@ def test_optuna_study_goes_on_after_a_failed_trial(tmp_path):
     assert re.search(r"\+env.fail=True\s*\| FAILED .*boom", table), table
 
 
+@pytest.mark.slow  # test_optuna_study_goes_on_after_a_failed_trial covers a failing trial by default
 @needs_optuna
 def test_optuna_study_where_every_trial_fails_closes_the_parent(tmp_path):
     tiny = [o for o in TINY if not o.startswith("training.batch_size")]
@@ -372,6 +374,7 @@ def test_seeded_sweep_preset_composes():
                                               "seed": "0,1,2"}
 
 
+@pytest.mark.slow  # ~15-20 s of subprocess launches; its behaviour's core is covered in the default suite
 def test_a_3_seed_x_2_point_tiny_sweep_prints_intervals_per_point(tmp_path):
     """Issue 15's acceptance run, for real: six tiny trainings in one multirun, seeds grouped into points."""
     (tmp_path / "graded.py").write_text(  # two steps barely move a random tiny model: a score the seed decides

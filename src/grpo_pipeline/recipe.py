@@ -391,7 +391,7 @@ def _open_run(run: Run) -> None:
     all_tags = {"env": run.env_name, "model": cfg.model.name, "overrides": " ".join(mask_override(o) for o in overrides)}
     params = flatten(masked_config(cfg)) | {f"plan.{c.key}": str(c.value)[:500] for c in plan.choices}
     tracker.start(cfg.tracking.run_name or run_name(cfg, run.env_name, overrides), params, all_tags | run.tags,
-                  description=description(cfg, run.env_name, overrides))
+                  description=description(run.cfg, run.env_name, overrides))  # what is trained: the plan applied
     if run.is_main:
         if tracker.run_id:
             (run_dir / RUN_ID_FILE).write_text(tracker.run_id)
