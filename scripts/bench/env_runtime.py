@@ -108,13 +108,27 @@ def bench_step_overhead(steps: int, repeats: int, trl_generates: bool = False) -
         timer = StepTimer()
         trainer = GRPOTrainer(
             model=load_model(cfg.model, tok), reward_funcs=[reward], train_dataset=env.build_dataset(tok),
-            args=build_grpo_config(cfg, f"{tmp}/plain{r}", [1.0]), processing_class=tok, callbacks=[timer],
+            args=build_grpo_config(_as_planned(cfg), f"{tmp}/plain{r}", [1.0]), processing_class=tok, callbacks=[timer],
             peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
         )
         trainer.train()
         plain.append(timer.median_step())
     return min(pipeline), min(plain)
+
+
+def _as_planned(cfg):
+    """cfg with the recipe's choices the plan makes for nulls (the run's length and rate), as a run applies them."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from grpo_pipeline.config.plan import recipe_choices
+
+    out = copy.deepcopy(cfg)
+    for key, value in recipe_choices(cfg)[0].items():
+        OmegaConf.update(out, key, value)
+    return out
 
 
 def _with(trainer, callback):
