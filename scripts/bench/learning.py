@@ -6,6 +6,14 @@ split into training, validation and test evaluation.
 
     .venv/bin/python scripts/bench/learning.py                      # seeds 0-4, the default config
     .venv/bin/python scripts/bench/learning.py --seeds 5 6 -- training.learning_rate=5e-4
+    .venv/bin/python scripts/bench/learning.py --documents --seeds 100 101 102   # the documents' recipe vs ours
+
+With --documents each seed runs twice, one after the other: this project's default, then the recipe of the
+documents our users come from as `translate -- --trainer grpo --peft` gives it (loss grpo, lr 1e-5, 128 new
+tokens, top_k 50, kl 0.1, batch 4, no dynamic sampling, one epoch), stopped by `training.max_minutes` after as
+much training time as the default took on that seed: the two recipes at equal wall-clock, on the same test sums.
+Its validation runs every 20 steps (the default's every 5): the documents' step trains 4 completions, the default's
+16, so both validate as often per completion trained, and the same rule picks model/.
 
 Goal (issue 12): gain >= +0.25 on every seed, mean >= +0.35, <= 12 min of training + eval per seed on 2
 cores. Results also go to outputs/bench_learning/<stamp>/results.json as each seed finishes.
@@ -76,6 +84,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="--passk: the sampling copy's dtype (float32 on a CPU without native bf16)")
     parser.add_argument("--batch", type=int, default=64, help="--passk: completions generated at once")
+    parser.add_argument("--documents", action="store_true",
+                        help="per seed: the default, then the documents' recipe (translate's) at equal training time")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every seed")
     args = parser.parse_args()
     harness.threads(args.threads)
@@ -84,11 +94,37 @@ def main() -> None:
     register_configs()
     out = Path("outputs/bench_learning") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
+    if args.documents:
+        return against_documents(args, out)
     rows = []
     for seed in args.seeds:
         rows.append(run_seed(seed, args.overrides, out))
         (out / "results.json").write_text(json.dumps({"overrides": args.overrides, "rows": rows}, indent=1))
         print_table(rows, args.overrides)
+
+
+def against_documents(args, out: Path) -> None:
+    """Per seed: the default, then the documents' recipe with the default's training minutes (equal wall-clock)."""
+    from grpo_pipeline.tools.translate import translate
+
+    # validation as often per completion trained: the documents' step is batch 4, the default's 16 (every 5 steps)
+    documents = [*translate(["--trainer", "grpo", "--peft"]), "eval.every_steps=20"]
+    rows: dict[str, list[dict]] = {"default": [], "documents": []}
+    for seed in args.seeds:
+        ours = run_seed(seed, args.overrides, out / "default")
+        minutes = (ours["train_s"] + ours["val_s"]) / 60  # the training loop, its validations included
+        theirs = run_seed(seed, [*documents, f"training.max_minutes={minutes:.3f}", *args.overrides],
+                          out / "documents")
+        rows["default"].append(ours)
+        rows["documents"].append(theirs)
+        (out / "results.json").write_text(json.dumps({"documents": documents, "rows": rows}, indent=1))
+        for name, recipe in rows.items():
+            print(f"\n{name}: {documents if name == 'documents' else 'the default config'}")
+            print_table(recipe, args.overrides)
+        diffs = [a["gain"] - b["gain"] for a, b in zip(rows["default"], rows["documents"], strict=True)]
+        print(f"\ndefault gain - documents' gain per seed: {', '.join(f'{d:+.3f}' for d in diffs)}; mean "
+              f"{statistics.fmean(diffs):+.3f}; steps per seed: default "
+              f"{[r['steps'] for r in rows['default']]}, documents {[r['steps'] for r in rows['documents']]}")
 
 
 def pass_at_ks(args) -> None:
