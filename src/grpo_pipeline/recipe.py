@@ -433,6 +433,8 @@ def _build_trainer(run: Run, ledger, callbacks: list):
         rollout=rollout,
         ledger=ledger,
         record_episodes=bool(cfg.ledger.enabled),
+        runner=run.runner,
+        turn_credit=run.plan.turn_credit == "turn",
     )
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     if cfg.tracking.report_to:  # transformers' TensorBoard / wandb callbacks (report_to) write into the run dir

@@ -12,7 +12,8 @@ generated tokens up to its own `max_new_tokens`, cut where all its rows have end
 infer (pad positions masked when pad != eos). When a merged call raises, each of its calls is re-run
 alone, so one bad call (out-of-range ids, ...) fails only its own episode, with an error naming it.
 Calls the batcher cannot merge (e.g. `return_dict_in_generate=True`, beam search, inputs other than
-token ids) run on their own. After `close()` every call fails at once.
+token ids) run on their own. After `close()` every call fails at once. A call with a `recorder` (training a
+seed-style env's turns, recorder.py) has its rows' sampled tokens and log-probs recorded from the generate that ran it.
 """
 
 import threading
@@ -31,8 +32,10 @@ class GenerateFailed(RuntimeError):
 
 class _Call:
     def __init__(self, owner: str | None, args: tuple, kwargs: dict, input_ids: torch.Tensor,
-                 attention_mask: torch.Tensor, gen_kwargs: dict, limit: int | None, eos_ids: torch.Tensor):
+                 attention_mask: torch.Tensor, gen_kwargs: dict, limit: int | None, eos_ids: torch.Tensor,
+                 recorder=None):
         self.owner, self.args, self.kwargs = owner, args, kwargs  # the original call, for a solo re-run
+        self.recorder = recorder  # a CallRecorder: keep what this call sampled (recorder.py)
         self.input_ids, self.attention_mask, self.gen_kwargs = input_ids, attention_mask, gen_kwargs
         self.limit, self.eos_ids = limit, eos_ids
         # calls merge when they sample alike; max_new_tokens may differ (each result is cut to its own). Without
@@ -91,9 +94,10 @@ class GenerateBatcher:
     def generate(self, *args, **kwargs):
         return self.submit(None, args, kwargs)
 
-    def submit(self, owner: str | None, args: tuple, kwargs: dict):
-        """`model.generate(*args, **kwargs)` for `owner` (e.g. "episode 3 (row ...)"), merged when possible."""
-        call = self._as_call(owner, args, kwargs)
+    def submit(self, owner: str | None, args: tuple, kwargs: dict, recorder=None):
+        """`model.generate(*args, **kwargs)` for `owner` (e.g. "episode 3 (row ...)"), merged when possible;
+        with `recorder`, what it sampled is recorded."""
+        call = self._as_call(owner, args, kwargs, recorder)
         with self.cond:  # check and enqueue at once: the worker never exits with a call left behind
             if not self.running:
                 raise RuntimeError(f"GenerateBatcher is closed (its batch was scored); the generate call of "
@@ -103,13 +107,15 @@ class GenerateBatcher:
                 self.cond.notify_all()
         if call is None:
             with torch.no_grad():
+                if recorder is not None:
+                    return recorder.generate(self.model, args, kwargs)
                 return self.model.generate(*args, **kwargs)
         call.done.wait()
         if call.error is not None:
             raise call.error
         return call.result
 
-    def _as_call(self, owner, args, kwargs) -> _Call | None:
+    def _as_call(self, owner, args, kwargs, recorder=None) -> _Call | None:
         gen_kwargs = dict(kwargs)
         input_ids = args[0] if args else gen_kwargs.pop("input_ids", gen_kwargs.pop("inputs", None))
         if len(args) > 1 or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -131,7 +137,7 @@ class GenerateBatcher:
         limit = _first_set(gen_kwargs.get("max_new_tokens"), getattr(config, "max_new_tokens", None))
         if limit is not None:
             gen_kwargs["max_new_tokens"] = limit
-        return _Call(owner, args, kwargs, input_ids, mask, gen_kwargs, limit, eos_ids)
+        return _Call(owner, args, kwargs, input_ids, mask, gen_kwargs, limit, eos_ids, recorder)
 
     # --- the worker ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -164,7 +170,7 @@ class GenerateBatcher:
                 self._run_alone(calls[0])
                 return
             try:
-                out, width = self._generate_merged(calls)
+                out, width, logits = self._generate_merged(calls)
             except Exception:  # one bad call must not fail the others: each runs on its own
                 for call in calls:
                     self._run_alone(call)
@@ -175,6 +181,10 @@ class GenerateBatcher:
             for call in calls:
                 n = call.input_ids.shape[0]
                 mine = out[row : row + n, width - call.input_ids.shape[1] :]
+                if call.recorder is not None:
+                    steps = logits.size(1) if call.limit is None else min(call.limit, logits.size(1))
+                    call.recorder.add(call.input_ids.cpu(), call.attention_mask.cpu(), out[row : row + n, width:],
+                                      logits[row : row + n, :steps], call.eos_ids.tolist())
                 mine = _trim(mine, call.input_ids.shape[1], call.limit, call.eos_ids)
                 call.result = mine.to(call.input_ids.device)
                 row += n
@@ -185,7 +195,9 @@ class GenerateBatcher:
             for call in calls:
                 call.done.set()
 
-    def _generate_merged(self, calls: list[_Call]) -> tuple[torch.Tensor, int]:
+    def _generate_merged(self, calls: list[_Call]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """The calls as one generate: (output ids, the input width, the raw logits of every generated position
+        when a call records what it sampled, else None)."""
         width = max(c.input_ids.shape[1] for c in calls)
         pad = calls[0].gen_kwargs.get("pad_token_id") or 0  # any id: padded positions are masked
         ids = torch.cat([_left_pad(c.input_ids.cpu(), width, pad) for c in calls])
@@ -194,14 +206,22 @@ class GenerateBatcher:
         if calls[0].limit is not None:
             kwargs["max_new_tokens"] = max(c.limit for c in calls)
         device = getattr(self.model, "device", ids.device)
+        record = any(c.recorder is not None for c in calls)
+        if record:
+            kwargs |= {"output_logits": True, "return_dict_in_generate": True}
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-        return out.cpu(), width
+        if record:
+            return out.sequences.cpu(), width, torch.stack(out.logits, dim=1).cpu()
+        return out.cpu(), width, None
 
     def _run_alone(self, call: _Call) -> None:
         try:
             with torch.no_grad():
-                call.result = self.model.generate(*call.args, **call.kwargs)
+                if call.recorder is not None:
+                    call.result = call.recorder.generate(self.model, call.args, call.kwargs)
+                else:
+                    call.result = self.model.generate(*call.args, **call.kwargs)
             self.calls += 1
             self.batches += 1
         except Exception as e:

@@ -166,6 +166,9 @@ class HotelEnv:
     def respond(self, messages: list[dict], request: dict, **_) -> dict | None:
         """The env's reply to the assistant's last turn: the results of its tool calls, a nudge when it called
         none (or wrote a malformed call), or None once it has booked a room (the episode is over)."""
+        return self.reply(messages, request)
+
+    def reply(self, messages: list[dict], request: dict) -> dict | None:
         calls = parse_tool_calls(messages[-1]["content"])
         if calls is None:
             return {"role": "user", "content": MALFORMED}
@@ -182,6 +185,23 @@ class HotelEnv:
             else:
                 results.append(f"error: unknown tool {name!r}")
         return {"role": "tool", "content": "\n".join(results)}
+
+    def score_turn(self, messages: list[dict], request: dict, **_) -> float:
+        """runtime.turn_credit=turn: a little credit (0.1) for an assistant turn whose tool call is useful, the
+        episode's first search in the guest's city or the booking of a room a search showed; 0 otherwise. The
+        episode's reward (up to 1) still decides; this only tells which turn helped."""
+        calls = parse_tool_calls(messages[-1].get("content") or "") or []
+        earlier = [c for m in messages[:-1] if m.get("role") == "assistant" for c in parse_tool_calls(m["content"]) or []]
+        shown = {line.split(":", 1)[0] for m in messages if m.get("role") == "tool"
+                 for line in str(m.get("content", "")).splitlines()}
+        for call in calls:
+            args = call.get("arguments", {})
+            if call.get("name") == "search_rooms" and str(args.get("city", "")).lower() == request["city"].lower():
+                if not any(c.get("name") == "search_rooms" for c in earlier):
+                    return 0.1
+            elif call.get("name") == "book_room" and str(args.get("room_id")) in shown:
+                return 0.1
+        return 0.0
 
     def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict, **_) -> float:
         """`completion`: the episode's messages after the opening (or, from older callers, the first reply)."""
@@ -225,3 +245,31 @@ def _as_number(value, default: float) -> float:
         return float(value)
     except (TypeError, ValueError):
         return default
+
+
+class HotelSeedEnv(HotelEnv):
+    """The same task written the documents' way: no `respond`; `score_episode` runs the conversation itself,
+    generating turns 2.. `max_turns` with `model.generate` (python -m grpo_pipeline env=hotel_seed). In training,
+    those calls' samples are trained as rows of their own with the episode's advantage (runtime.train_env_calls);
+    with runtime.train_env_calls=false only the first reply is."""
+
+    respond = None  # the env runs its own turns
+
+    def score_episode(self, model, tokenizer, completion, request: dict, **_) -> float:
+        text = completion if isinstance(completion, str) else "".join(
+            str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
+        opening = self._opening(request)
+        messages = [*opening, {"role": "assistant", "content": text}]
+        for _turn in range(self.max_turns - 1):
+            reply = self.reply(messages, request)
+            if reply is None:
+                break
+            messages.append(reply)
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+            out = model.generate(input_ids=inputs["input_ids"].to(model.device),
+                                 attention_mask=inputs["attention_mask"].to(model.device),
+                                 max_new_tokens=self.turn_max_new_tokens)
+            answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+        return super().score_episode(model, tokenizer, messages[len(opening):], request)

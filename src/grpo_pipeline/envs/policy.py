@@ -6,7 +6,9 @@ So every model call an env makes goes through its episode's `PolicyHandle`, whic
   sampling settings (`do_sample`, `temperature`, ...) into `generate` calls that do not set them;
 - counts it as in flight, so the batch waits for it before the trainer touches the weights again;
 - refuses it once the runtime has let go of the episode (timed out, or its batch scored): any later
-  `generate`, `__call__`, `forward` or attribute access raises `EpisodeAbandoned` in the env's thread.
+  `generate`, `__call__`, `forward` or attribute access raises `EpisodeAbandoned` in the env's thread;
+- in training, with a `CallRecorder` (recorder.py), keeps what each `generate` call sampled, so that the trainer
+  trains those turns too (runtime.train_env_calls).
 """
 
 import logging
@@ -54,8 +56,9 @@ class InFlight:
 
 class PolicyHandle:
     def __init__(self, model, in_flight: InFlight, label: str, batcher: GenerateBatcher | None = None,
-                 sampling: dict | None = None, max_call_tokens: int | None = None):
+                 sampling: dict | None = None, max_call_tokens: int | None = None, recorder=None):
         self._model = model
+        self._recorder = recorder
         self._max_call_tokens = max_call_tokens
         self._in_flight = in_flight
         self._label = label  # e.g. "episode 3 (row {...})": names the episode in errors
@@ -67,9 +70,12 @@ class PolicyHandle:
     # --- what the env calls ----------------------------------------------------------------------
     def generate(self, *args, **kwargs):
         kwargs = self._capped(self._with_sampling(kwargs), args)
+        recorder = self._recorder if self._recorder is not None and self._recorder.accepts(args, kwargs) else None
         with self._call():
             if self._batcher is not None:
-                return self._batcher.submit(self._label, args, kwargs)
+                return self._batcher.submit(self._label, args, kwargs, recorder)
+            if recorder is not None:
+                return recorder.generate(self._model, args, kwargs)
             return self._model.generate(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
@@ -166,6 +172,7 @@ class PolicyHandle:
         return {k: v for k, v in self._sampling.items() if k not in kwargs} | kwargs
 
 
-_FIELDS = {"_model", "_in_flight", "_label", "_batcher", "_sampling", "_revoked", "_in_batcher", "_max_call_tokens"}
+_FIELDS = {"_model", "_in_flight", "_label", "_batcher", "_sampling", "_revoked", "_in_batcher", "_max_call_tokens",
+           "_recorder"}
 _warned_cap: list[int] = []  # the cap warning is given once per process
 

@@ -32,6 +32,7 @@ from grpo_pipeline.envs.batching import GenerateBatcher
 from grpo_pipeline.envs.bounded import Episode, run_bounded
 from grpo_pipeline.envs.failures import FailureBudget
 from grpo_pipeline.envs.policy import EpisodeAbandoned, InFlight, PolicyHandle
+from grpo_pipeline.envs.recorder import CallRecorder
 from grpo_pipeline.envs.shared_tokenizer import shared
 from grpo_pipeline.errors import EnvError
 
@@ -135,8 +136,9 @@ class EpisodeRunner:
         return reward
 
     def run_episodes(self, completions: list[Any], rows: list[dict], sampling: dict | None = None,
-                     skip: list[bool] | None = None) -> list[Episode]:
+                     skip: list[bool] | None = None, recorders: list | None = None) -> list[Episode]:
         """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing.
+        `recorders` (one CallRecorder per episode, or None): keep what each episode's generate calls sampled.
         Returns once no env model call is running (every episode's model handle is revoked by then); raises
         EnvError only when a call still runs runtime.call_deadline_s after the batch ended."""
         if self.model is None:
@@ -151,8 +153,10 @@ class EpisodeRunner:
             )
         in_flight = InFlight()
         sampling = self.sampling if sampling is None else sampling
+        recorders = recorders or [None] * len(rows)
         handles = [PolicyHandle(self.model, in_flight, f"episode {i} ({_preview(row)})", batcher, sampling,
-                                self.cfg.max_call_tokens) for i, row in enumerate(rows)]
+                                self.cfg.max_call_tokens, recorder) for i, (row, recorder) in
+                   enumerate(zip(rows, recorders, strict=True))]
         was_training = self.model.training
         self.model.eval()
         try:
@@ -225,8 +229,11 @@ class EpisodeRunner:
                ) -> tuple[list[float], list[bool], dict[str, float]]:
         """`pre_failures`: episodes that already failed before scoring (an env call of a multi-turn rollout)."""
         pre_failures = pre_failures or [None] * len(rows)
+        # training: what the env's own generate calls sample is recorded, to be trained (runtime.train_env_calls)
+        recorders = ([CallRecorder(self.sampling) for _ in rows] if not evaluation and self.cfg.train_env_calls
+                     and self.sampling.get("do_sample") else None)
         episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
-                                     skip=[f is not None for f in pre_failures])
+                                     skip=[f is not None for f in pre_failures], recorders=recorders)
         failures = [pre or self._failure(ep, c, row)
                     for ep, c, row, pre in zip(episodes, completions, rows, pre_failures, strict=True)]
         scores = [0.0 if f else self._check_score(ep.value, c, row)
@@ -236,6 +243,9 @@ class EpisodeRunner:
         seconds = [ep.seconds for ep in episodes]
         self.last_batch = {"seconds": seconds, "failures": [_first_line(f, ep, pre) for f, ep, pre in
                                                             zip(failures, episodes, pre_failures, strict=True)]}
+        if recorders is not None:  # a failed episode's samples are not trained (it has no advantage)
+            self.last_batch["turn_samples"] = [[] if f else r.samples for f, r in zip(failures, recorders, strict=True)]
+            self.last_batch["turn_samples_skipped"] = sum(r.skipped for r in recorders)
         metrics = {"episode_seconds_mean": sum(seconds) / len(seconds), "episode_seconds_max": max(seconds)}
         if evaluation:
             self.eval_failures += sum(failed)

@@ -21,6 +21,7 @@ did not see (its last sampled token and the env's reply), not the whole conversa
 """
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from grpo_pipeline.envs.loader import get_tool_schemas
+from grpo_pipeline.envs.runner import as_real
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
 from grpo_pipeline.rollout.decode import RowCache, cached_rows, decode, expand_cache
@@ -52,6 +54,7 @@ class Trajectory:
     failure: str | None = None  # why an env call failed (the episode counts as failed)
     done: bool = False
     seconds: float = 0.0  # in env calls
+    turn_scores: list[float] = field(default_factory=list)  # the env's score_turn after each assistant turn
 
     @property
     def text(self) -> str:
@@ -76,15 +79,18 @@ def make_rollout(plan, env, tokenizer, runner, model_path: Callable[[], str] | N
             return VllmBackend(model_path(), **plan.vllm_engine)
     return Rollout(env, tokenizer, runner, max_turns=plan.max_turns, turn_tokens=plan.turn_tokens,
                    max_episode_tokens=plan.max_episode_tokens, tools=tools, merged_generation=plan.merged_generation,
-                   sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation, vllm_sync=plan.weight_sync)
+                   sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation, vllm_sync=plan.weight_sync,
+                   score_turns=plan.turn_credit == "turn")
 
 
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
                  sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True,
-                 packed: bool = False, vllm_sync: str | None = None):
+                 packed: bool = False, vllm_sync: str | None = None, score_turns: bool = False):
         self.env, self.runner = env, runner
+        # runtime.turn_credit=turn: the env's score_turn after each sampled assistant turn (training/turn_credit.py)
+        self.score_turns = score_turns and callable(getattr(env, "score_turn", None))
         self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
         self.tokenizer = getattr(runner, "tokenizer", None) or tokenizer  # the env threads' shared one
         # what generates when vLLM does not (rollout/policy_copy.py): greedy episodes (held-out evaluation) the merged
@@ -149,6 +155,8 @@ class Rollout:
                         break
                     self._assistant_turn(model, live, sampling, prefix, limit,
                                          caches if self.reuse_cache else None, keep=turn < self.max_turns - 1)
+                    if self.score_turns and sampling.get("do_sample"):
+                        self._score_turn(live)
                     live = [t for t in live if not t.done]
                     if turn == self.max_turns - 1:
                         break
@@ -191,6 +199,19 @@ class Rollout:
                 t.done = t.cut = True  # the episode's token budget is spent
             elif snapshots is not None and snapshots[i] is not None:
                 caches[id(t)] = snapshots[i].keep(len(ids))  # for its next turn
+
+    def _score_turn(self, live: list[Trajectory]) -> None:
+        """The env's score of each live episode's last assistant turn (concurrently, under the runtime's rules); a
+        call that fails, or a score that is not a finite real number, fails its episode."""
+        live = [t for t in live if t.failure is None]
+        calls = [lambda t=t: _as_turn_score(self.env.score_turn(_conversation(t), **t.row), self.env) for t in live]
+        outcomes = self.runner.call_env(calls, "score_turn", [t.row for t in live], [t.text for t in live])
+        for t, (score, failure, seconds) in zip(live, outcomes, strict=True):
+            t.seconds += seconds
+            if failure is not None:
+                t.failure, t.done = failure, True
+            else:
+                t.turn_scores.append(score)
 
     def _env_turn(self, live: list[Trajectory]) -> None:
         """The env's reply to each live episode, concurrently; an episode whose reply is None is done."""
@@ -243,6 +264,14 @@ def _as_message(reply, env) -> dict | None:
         return dict(reply)
     raise TypeError(f"{type(env).__qualname__}.respond returned {reply!r}: return the env's reply as a string (a user "
                     "turn), a message {'role': 'user' | 'tool', 'content': str}, or None when the episode is over.")
+
+
+def _as_turn_score(value, env) -> float:
+    number = as_real(value)
+    if number is None or not math.isfinite(number):
+        raise TypeError(f"{type(env).__qualname__}.score_turn returned {value!r}: return a finite real number (the "
+                        "turn's reward, e.g. 0.1 for a useful tool call).")
+    return number
 
 
 def _as_list(value) -> list[int]:

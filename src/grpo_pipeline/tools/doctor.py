@@ -59,6 +59,7 @@ def run_check(cfg: DictConfig) -> Report:
     from grpo_pipeline.config.plan import make_plan
     from grpo_pipeline.config.validate import check_config
     from grpo_pipeline.envs.loader import get_tool_schemas
+    from grpo_pipeline.envs.recorder import CallRecorder
     from grpo_pipeline.envs.runner import EpisodeRunner, score_problem
     from grpo_pipeline.evaluation.heldout import Split, generate
     from grpo_pipeline.models import load_model, model_dir
@@ -114,7 +115,9 @@ def run_check(cfg: DictConfig) -> Report:
         r.broken += [f"{f.splitlines()[0]}" for f in failures if f]
     r.lines.append(f"generated {len(completions)} {'episodes' if rollout else 'completions'} ({len(rows)} prompts x {group}) "
                    f"in {time.monotonic() - started:.1f}s")
-    episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures])
+    recorders = [CallRecorder(sample) for _ in row_dicts]  # the env's own generate calls, as training records them
+    episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures], recorders=recorders)
+    r.lines.append(_style(rollout is not None, recorders, cfg.runtime.train_env_calls))
     scores, values = [], []
     for ep, completion, failure in zip(episodes, completions, failures, strict=True):
         values.append(None)
@@ -137,6 +140,22 @@ def run_check(cfg: DictConfig) -> Report:
         prober.nondeterminism(r, episodes_in, row_dicts, values)
         prober.exploits(r, list(rows["prompt"]), row_dicts[::group], groups, completions, episodes_in, values, group)
     return r
+
+
+def _style(multi_turn: bool, recorders: list, train_env_calls: bool) -> str:
+    """Which style the env is written in, and what training trains of its episodes."""
+    if multi_turn:
+        return ("env style: respond (the runtime generates every assistant turn): every assistant turn is trained, "
+                "the env's turns are masked out of the loss")
+    turns = [len(rec.samples) for rec in recorders]
+    skipped = sum(rec.skipped for rec in recorders)
+    if not any(turns) and not skipped:
+        return "env style: single-turn (score_episode makes no model call): the completion is trained"
+    what = ("each trained as a row of its own with the episode's advantage" if train_env_calls else
+            "not trained: runtime.train_env_calls=false trains the first reply alone")
+    return (f"env style: seed (score_episode calls model.generate itself): {statistics.fmean(turns):.1f} sampled "
+            f"turns per episode, {what}; {skipped} call(s) sampled otherwise than the run (greedy, their own "
+            "temperature or logits processors) are never trained")
 
 
 def flat_share(scores: list[float], size: int) -> float:

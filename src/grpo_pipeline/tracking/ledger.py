@@ -10,7 +10,8 @@ generated for; held-out: the step evaluated), `prompt_id` (sha1 of the prompt, 1
 prompt has the same id in every run), `prompt` (as the model saw it), `completion` (a multi-turn episode:
 every turn, `[role] content` per message; `messages` has them as a list), `reward` (the total GRPO saw), `rewards` (each component),
 `advantage` (train), `row` (the env's extra columns), `seconds` (scoring), `failure` (first line of the
-error, or null). Read it with `python -m grpo_pipeline episodes <run dir>`.
+error, or null), `turns` (train, where it applies: runtime.turn_credit=turn, each assistant turn's `score` and
+`advantage`; a seed-style env, `sampled`, the turns its own generate calls sampled and training trained). Read it with `python -m grpo_pipeline episodes <run dir>`.
 """
 
 import hashlib
@@ -77,7 +78,8 @@ class Ledger:
 
     def record(self, split: str, step: int, prompts: list, completions: list, rewards: dict[str, list],
                totals: list | None = None, advantages: list | None = None, rows: list | None = None,
-               seconds: list | None = None, failures: list | None = None, transcripts: bool = False) -> None:
+               seconds: list | None = None, failures: list | None = None, transcripts: bool = False,
+               turns: list | None = None) -> None:
         """One batch. `completions`: texts (or TRL's chat completions); with `transcripts`, a multi-turn
         episode's messages after the opening each (kept as `messages` too, for rescoring)."""
         from grpo_pipeline.envs.runner import completion_text
@@ -111,6 +113,8 @@ class Ledger:
                 "seconds": _number(seconds[i]) if seconds is not None else None,
                 "failure": (failures[i] or None) if failures is not None else None,
             }
+            if turns is not None and len(turns) == len(prompts):
+                entry["turns"] = turns[i]
             lines.append(mask_secrets(json.dumps(entry, default=str)))
         with self.path.open("a") as f:  # one write per batch; a kill mid-write leaves one cut line at most
             f.write("".join(line + "\n" for line in lines))

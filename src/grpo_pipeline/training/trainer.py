@@ -3,7 +3,8 @@
 `PipelineTrainer` keeps the dataset rows of the batch being generated (a multi-turn env's `respond` and
 `score_episode` need the row's columns; TRL hands a `rollout_func` only the prompts). `rollout_func`
 turns the runtime's trajectories into what TRL trains on: prompt ids, completion ids (assistant and env
-turns), the env mask (env tokens carry no loss) and the sampled tokens' log-probabilities.
+turns), the env mask (env tokens carry no loss) and the sampled tokens' log-probabilities. The turns a seed-style
+env sampled inside `score_episode` (recorded by the runner) join the batch as rows of their own (turn_samples.py).
 """
 
 import os
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 import torch
 import trl
 from trl import GRPOTrainer
+from trl.trainer.utils import use_adapter
 
 from grpo_pipeline.config.grpo_args import CHECKPOINTING
 from grpo_pipeline.envs.runner import as_real
@@ -21,6 +23,8 @@ from grpo_pipeline.rollout.turns import Rollout
 from grpo_pipeline.training import dynamic_sampling as ds
 from grpo_pipeline.training import prefix_logps
 from grpo_pipeline.training.dynamic_sampling import loss_mask, reward_totals
+from grpo_pipeline.training.turn_credit import per_token_advantages, turn_segments
+from grpo_pipeline.training.turn_samples import turn_rows
 
 TESTED_TRL = "1.16"  # PipelineTrainer overrides private GRPOTrainer methods: the minor version it was tested on
 
@@ -53,14 +57,19 @@ class PipelineTrainer(GRPOTrainer):
 
     def __init__(self, *args, shared_prefix_loss: bool = False, train_completions: int | None = None,
                  resample_flat: int = 0, flat_negative: float = 0.0, rollout: Rollout | None = None,
-                 ledger=None, record_episodes: bool = False, **kwargs):
+                 ledger=None, record_episodes: bool = False, runner=None, turn_credit: bool = False, **kwargs):
         """GRPOTrainer's arguments, plus the pipeline's: `shared_prefix_loss` (training.shared_prefix_loss; on only
         for a model it is exact for), dynamic sampling (`train_completions`: completions trained per step when more
         are sampled; `resample_flat`, `flat_negative`), the runtime's `rollout` (how its samples relate to the
         policy: the log-probs of a copy in another dtype or of vLLM are the behaviour policy's; vLLM's LoRA kernels
         get TRL's importance-sampling correction) and the episode ledger (`ledger` on the main process;
-        `record_episodes` on every process, rows are gathered from all)."""
+        `record_episodes` on every process, rows are gathered from all) and the env's `runner`, whose recorded
+        samples of the env's own generate calls join the batch as rows (runtime.train_env_calls); `turn_credit`:
+        each assistant turn of a multi-turn episode gets its own advantage (runtime.turn_credit=turn)."""
         super().__init__(*args, **kwargs)
+        self.runner, self.turn_credit = runner, turn_credit
+        self._turns: list = []  # the step's recorded samples, per episode row of its rounds (turn_samples.py)
+        self._turns_skipped = 0
         self.shared_prefix_loss = shared_prefix_loss and prefix_logps.supported(self.model)
         self.train_completions, self.resample_flat, self.flat_negative = train_completions, resample_flat, flat_negative
         self.ledger, self.record_episodes = ledger, record_episodes
@@ -117,6 +126,7 @@ class PipelineTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         training = self.model.training
+        self._turns, self._turns_skipped = [], 0
         out, logs = self._sample_round(inputs)
         rounds = [(inputs, logs)]
         spread = None
@@ -126,6 +136,10 @@ class PipelineTrainer(GRPOTrainer):
                 if extra is not None:
                     rounds.append(extra)
             out = self._keep_groups_with_spread(out, spread, logs)
+        if "turn_episode" in out:
+            out = self._with_turn_rows(out)
+        if "turn_advantages" in out:  # per-turn credit: the loss takes [rows, tokens] advantages (TRL 1.16 does)
+            out["advantages"] = out.pop("turn_advantages")
         if self.record_episodes and training:
             from accelerate.utils import gather_object
 
@@ -140,14 +154,93 @@ class PipelineTrainer(GRPOTrainer):
         self.current_rows = inputs
         for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
             value.clear()
+        last = getattr(self.runner, "last_batch", {})
+        last.pop("turn_samples", None)
         out = super()._generate_and_score_completions(inputs)
+        turns = last.get("turn_samples")
+        n = out["advantages"].size(0)
+        if self.model.training and turns is not None and len(turns) == n:
+            # tag each row with its episode: dynamic sampling selects and reorders rows, the tag goes with them
+            out["turn_episode"] = torch.arange(len(self._turns), len(self._turns) + n, device=out["advantages"].device)
+            self._turns += turns
+            self._sampled_turns = [{"sampled": len(t)} for t in turns]  # for the ledger
+            self._turns_skipped += last.get("turn_samples_skipped", 0)
         if self.behaviour_logps and "sampling_per_token_logps" in out:
             # the samples came from the runtime's bf16 (or other dtype) copy: PPO's ratio is the policy's probability
             # over the one that really sampled, so the clip also bounds the sampler's mismatch; costs no forward pass
             out["old_per_token_logps"] = out["sampling_per_token_logps"]
         logs = {k: ({n: list(v) for n, v in self._logs[k].items()} if isinstance(self._logs[k], dict)
                     else list(self._logs[k])) for k in ("prompt", "completion", "rewards", "advantages", "extra")}
+        if self.turn_credit and self.model.training and "tool_mask" in out:
+            out["turn_advantages"] = self._turn_advantages(out, inputs, logs)
+            logs["turns"] = [{"score": row.get("turn_scores"),
+                              "advantage": [round(a[s].item(), 4) for s, _ in turn_segments(m.tolist())]}
+                             for row, a, m in zip(inputs, out["turn_advantages"], out["tool_mask"], strict=True)]
+        elif "turn_episode" in out:
+            logs["turns"] = self._sampled_turns
         return out, logs
+
+    def _turn_advantages(self, out: dict, inputs: list[dict], logs: dict) -> torch.Tensor:
+        """Per-token advantages, each assistant turn its own (training/turn_credit.py), from the episodes' reward
+        totals and the env's turn scores the rollout put in each row."""
+        n = out["advantages"].size(0)
+        totals = _batch_totals(self, logs, n)
+        if totals is None:
+            raise RuntimeError("runtime.turn_credit=turn needs this batch's rewards per completion, which TRL logged "
+                               "for several processes at once; run on one process or use runtime.turn_credit=episode.")
+        return per_token_advantages(totals, [row.get("turn_scores") for row in inputs], out["tool_mask"],
+                                    self.num_generations, str(self.scale_rewards))
+
+    def _with_turn_rows(self, out: dict) -> dict:
+        """The batch with a row for every turn the env sampled in the episodes it trains (training/turn_samples.py),
+        each with its episode's advantage. The log-probs TRL computed for the other rows before scoring (old,
+        reference) are computed for these with the same model; vLLM's importance-sampling ratio is 1 (the env's
+        calls sampled from the policy itself)."""
+        index = out.pop("turn_episode").tolist()
+        metrics = self._metrics["train"]
+        rows = turn_rows([self._turns[i] for i in index], out["advantages"], self._tokenizer.pad_token_id or 0,
+                         self.mask_truncated_completions)
+        metrics["env/turn_samples"].append(0.0 if rows is None else float(rows["advantages"].size(0)))
+        metrics["env/turn_samples_skipped"].append(float(self._turns_skipped))
+        if rows is None:
+            return out
+        if "old_per_token_logps" in out:
+            rows["old_per_token_logps"] = (rows["sampling_per_token_logps"] if self.behaviour_logps
+                                           else self._teacher_forced(rows))
+        if "ref_per_token_logps" in out:
+            rows["ref_per_token_logps"] = self._teacher_forced(rows, reference=True)
+        if "importance_sampling_ratio" in out:
+            ratio = out["importance_sampling_ratio"]
+            width = 1 if ratio.size(1) == 1 else rows["completion_ids"].size(1)
+            rows["importance_sampling_ratio"] = torch.ones((rows["advantages"].size(0), width), device=ratio.device)
+        if "tool_mask" in out:
+            rows["tool_mask"] = torch.ones_like(rows["completion_mask"])
+        if "turn_advantages" in out:  # a turn the env sampled itself: its episode's advantage on every token
+            rows["turn_advantages"] = rows["advantages"][:, None].expand_as(rows["completion_mask"]).clone()
+        if "sampling_per_token_logps" not in out:
+            del rows["sampling_per_token_logps"]
+        n = out["advantages"].size(0)
+        missing = [k for k, v in out.items() if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n and k not in rows]
+        if missing:
+            raise NotImplementedError(f"training an env's own generate calls with {missing} in TRL's batch is not "
+                                      "supported; set runtime.train_env_calls=false")
+        both = ds.concat_outputs(out, rows, self._tokenizer.pad_token_id or 0)
+        both["num_items_in_batch"] = out["num_items_in_batch"] + self.accelerator.gather(loss_mask(rows).sum()).sum()
+        return both
+
+    def _teacher_forced(self, rows: dict, reference: bool = False) -> torch.Tensor:
+        """Per-token log-probs of rows' completions under the policy (or the reference model), as TRL computes them."""
+        ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
+        mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+        keep, size = rows["completion_ids"].size(1), self.args.per_device_train_batch_size
+        with torch.no_grad():
+            if not reference:
+                return self._get_per_token_logps_and_entropies(self.model, ids, mask, keep, size)[0]
+            if self.ref_model is not None:
+                return self._get_per_token_logps_and_entropies(self.ref_model, ids, mask, keep, size)[0]
+            model = self.accelerator.unwrap_model(self.model)
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                return self._get_per_token_logps_and_entropies(self.model, ids, mask, keep, size)[0]
 
     def _resample_flat_groups(self, inputs, out: dict, logs: dict):
         """Adaptive sampling for flat groups (training/dynamic_sampling.py): when the first round leaves the step
@@ -214,6 +307,8 @@ class PipelineTrainer(GRPOTrainer):
         kept = ds.keep_groups(advantages, spread, size, cap, negative)
         out = ds.select_rows(out, kept.rows)
         out["advantages"] = kept.advantages
+        if "turn_advantages" in out and not kept.trained + kept.negative:  # nothing kept: the flat group trains nothing
+            out["turn_advantages"] = torch.zeros_like(out["turn_advantages"])
         out["num_items_in_batch"] = ds.loss_mask(out).sum()
         metrics = self._metrics["train"]
         metrics["dynamic_sampling/groups_sampled"].append(float(len(spread)))
@@ -233,7 +328,7 @@ class PipelineTrainer(GRPOTrainer):
                            totals=totals, advantages=list(logs["advantages"]), rows=rows,
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
-                           transcripts="transcript" in extra)
+                           transcripts="transcript" in extra, turns=logs.get("turns"))
 
 
 def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
@@ -277,6 +372,8 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
         }
         if not rollout.multi_turn:  # TRL decodes the completion and scores it as text
             return out
+        if rollout.score_turns:
+            out["turn_scores"] = [t.turn_scores for t in trajs]
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
         for key, value in episode_metrics(rollout, trajs).items():
             metrics[key].append(value)

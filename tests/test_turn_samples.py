@@ -1,0 +1,233 @@
+"""Seed-style envs (score_episode calls model.generate itself, the documents' way): in training, every turn they
+sample with the run's settings is recorded and trained as a row of its own, with its episode's advantage."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+import grpo_pipeline.recipe as recipe
+from conftest import tiny_overrides
+from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
+from grpo_pipeline.envs.hotel import HotelSeedEnv
+from grpo_pipeline.envs.recorder import CallRecorder, TurnSample
+from grpo_pipeline.envs.runner import EpisodeRunner
+from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
+from grpo_pipeline.training.turn_samples import turn_rows
+
+SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
+
+
+class SeedEnv:
+    """The first reply comes from the trainer; the env asks again and generates the second turn itself."""
+
+    def __init__(self, greedy: bool = False):
+        self.greedy = greedy
+        self.calls: dict[int, tuple[list[int], list[int]]] = {}  # i -> (input ids, ids the env got back)
+
+    def build_dataset(self, tokenizer):
+        system = {"role": "system", "content": "You are a counting assistant. " * 4}
+        return Dataset.from_list([{"prompt": [system, {"role": "user", "content": f"Count to {i}"}], "i": i}
+                                  for i in range(24)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        messages = [{"role": "user", "content": f"Count to {i}"}, {"role": "assistant", "content": text},
+                    {"role": "user", "content": "Again, please."}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+        extra = {"do_sample": False} if self.greedy else {}
+        out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                             max_new_tokens=6 + i % 3, **extra)
+        width = inputs["input_ids"].shape[1]
+        self.calls[i] = (inputs["input_ids"][0].tolist(), out[0, width:].tolist())
+        second = tokenizer.decode(out[0, width:], skip_special_tokens=True)
+        return ((len(text) + len(second)) % 5) / 4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.padding_side = "left"
+    return tokenizer, build_tiny_model(ModelConfig(name="tiny", source="tiny"), tokenizer)
+
+
+def _teacher_forced(model, prompt_ids, completion_ids, temperature):
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("batch_generate", [True, False])
+def test_recorded_turns_are_the_tokens_sampled_with_their_log_probs(tiny, batch_generate):
+    tokenizer, model = tiny
+    env = SeedEnv()
+    runner = EpisodeRunner(env, tokenizer, RuntimeConfig(batch_generate=batch_generate), ["i"], sampling=SAMPLING)
+    runner.bind(model)
+    recorders = [CallRecorder(SAMPLING) for _ in range(6)]
+    torch.manual_seed(0)
+    episodes = runner.run_episodes(["one two"] * 6, [{"i": i} for i in range(6)], recorders=recorders)
+    assert all(ep.error is None for ep in episodes)
+    eos = tokenizer.eos_token_id
+    for i, rec in enumerate(recorders):
+        assert rec.skipped == 0 and len(rec.samples) == 1
+        sample = rec.samples[0]
+        given, got = env.calls[i]
+        assert sample.prompt_ids == given  # the context the env fed, without the batcher's padding
+        end = got.index(eos) + 1 if eos in got else len(got)
+        assert sample.completion_ids == got[:end] and sample.ended == (eos in got)  # what the env got back
+        forced = _teacher_forced(model, sample.prompt_ids, sample.completion_ids, SAMPLING["temperature"])
+        assert torch.allclose(forced, torch.tensor(sample.logprobs), atol=1e-4)
+
+
+def test_calls_that_do_not_sample_as_the_run_are_counted_not_recorded(tiny):
+    tokenizer, model = tiny
+    runner = EpisodeRunner(SeedEnv(greedy=True), tokenizer, RuntimeConfig(), ["i"], sampling=SAMPLING)
+    runner.bind(model)
+    recorders = [CallRecorder(SAMPLING) for _ in range(3)]
+    runner.run_episodes(["a", "b", "c"], [{"i": i} for i in range(3)], recorders=recorders)
+    assert [len(r.samples) for r in recorders] == [0, 0, 0] and [r.skipped for r in recorders] == [1, 1, 1]
+    own = CallRecorder(SAMPLING)
+    ids = torch.tensor([[1, 2, 3]])
+    assert not own.accepts((ids,), SAMPLING | {"temperature": 0.5})  # the env's own temperature
+    assert not own.accepts((ids,), SAMPLING | {"logits_processor": []})
+    assert own.accepts((ids,), SAMPLING | {"max_new_tokens": 4}) and own.skipped == 2
+
+
+def test_turn_rows_lay_out_a_trl_batch_with_each_episodes_advantage():
+    a = TurnSample([5, 6, 7], [8, 9], [-0.5, -0.25], ended=True)
+    b = TurnSample([5], [8, 9, 10], [-1.0, -2.0, -3.0], ended=False)
+    rows = turn_rows([[a, b], [], [a]], torch.tensor([0.5, -1.0, 2.0]), pad_id=0, mask_truncated=True)
+    assert rows["prompt_ids"].tolist() == [[5, 6, 7], [0, 0, 5], [5, 6, 7]]  # left-padded, as TRL pads prompts
+    assert rows["prompt_mask"].tolist() == [[1, 1, 1], [0, 0, 1], [1, 1, 1]]
+    assert rows["completion_ids"].tolist() == [[8, 9, 0], [8, 9, 10], [8, 9, 0]]
+    assert rows["completion_mask"].tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 0]]  # b was cut: masked (DAPO)
+    assert rows["advantages"].tolist() == [0.5, 0.5, 2.0]  # each turn carries its own episode's advantage
+    assert rows["sampling_per_token_logps"][1].tolist() == [-1.0, -2.0, -3.0]
+    assert turn_rows([[], []], torch.tensor([1.0, 2.0]), pad_id=0) is None
+
+
+def _train(compose_cfg, tmp_path, monkeypatch, extra=(), env=None):
+    """A 2-step tiny run of SeedEnv; returns (result, the batches TRL trained, the losses' inputs)."""
+    from grpo_pipeline.training.trainer import PipelineTrainer
+
+    batches, losses = [], []
+    generate_and_score, compute_loss = PipelineTrainer._generate_and_score_completions, PipelineTrainer._compute_loss
+
+    def capture_batch(self, inputs):
+        out = generate_and_score(self, inputs)
+        batches.append({k: v.clone() if torch.is_tensor(v) else v for k, v in out.items()})
+        return out
+
+    def capture_loss(self, model, inputs):
+        losses.append((self, model, inputs))
+        return compute_loss(self, model, inputs)
+
+    monkeypatch.setattr(PipelineTrainer, "_generate_and_score_completions", capture_batch)
+    monkeypatch.setattr(PipelineTrainer, "_compute_loss", capture_loss)
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "loss=grpo", *extra])
+    result = recipe.train(cfg, launch_dir=str(tmp_path), env=env or SeedEnv())
+    return result, batches, losses, compute_loss
+
+
+def _unpadded(ids, mask) -> tuple:
+    return tuple(ids[mask.bool()].tolist())
+
+
+def test_a_seed_style_envs_second_turn_is_trained(compose_cfg, tmp_path, monkeypatch):
+    result, batches, losses, compute_loss = _train(compose_cfg, tmp_path, monkeypatch)
+    assert result.steps == 2
+    out = batches[0]
+    n = 4  # training.batch_size episodes, then one row per turn the env sampled
+    assert out["advantages"].size(0) == 2 * n
+    assert torch.equal(out["advantages"][n:], out["advantages"][:n])  # each turn: its episode's advantage
+    assert out["num_items_in_batch"].item() == (out["completion_mask"]).sum().item()
+    turn_prompts = {_unpadded(out["prompt_ids"][r], out["prompt_mask"][r]) for r in range(n, 2 * n)}
+    openings = {_unpadded(out["prompt_ids"][r], out["prompt_mask"][r]) for r in range(n)}
+    assert turn_prompts and not turn_prompts & openings  # the contexts the env built for its second turn
+    # in the step's real loss, the turn rows alone carry gradient: train only them (advantage 1, the episodes'
+    # completions masked) and the adapter gets a gradient; mask them too and it gets none
+    trainer, model, inputs = losses[0]
+    is_turn = torch.tensor([_unpadded(inputs["prompt_ids"][r], inputs["prompt_mask"][r]) in turn_prompts
+                            for r in range(inputs["advantages"].size(0))])
+    assert is_turn.sum().item() == n
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grad_norm(keep_turns: bool) -> float:
+        batch = dict(inputs)
+        batch["advantages"] = torch.where(is_turn, 1.0, 0.0)
+        keep = is_turn[:, None] if keep_turns else torch.zeros_like(is_turn)[:, None]
+        batch["completion_mask"] = inputs["completion_mask"] * keep
+        model.zero_grad()
+        loss = compute_loss(trainer, model, batch)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return sum(g.abs().sum().item() for g in grads if g is not None)
+
+    assert grad_norm(keep_turns=True) > 0 and grad_norm(keep_turns=False) == 0
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
+    assert metrics["env/turn_samples"] == n and metrics["env/turn_samples_skipped"] == 0
+
+
+def test_train_env_calls_false_trains_the_first_reply_alone(compose_cfg, tmp_path, monkeypatch):
+    result, batches, _, _ = _train(compose_cfg, tmp_path, monkeypatch, ["runtime.train_env_calls=false"])
+    assert result.steps == 2 and all(b["advantages"].size(0) == 4 for b in batches)
+
+
+def test_greedy_env_calls_are_counted_and_kept_out_of_the_loss(compose_cfg, tmp_path, monkeypatch):
+    result, batches, _, _ = _train(compose_cfg, tmp_path, monkeypatch, env=SeedEnv(greedy=True))
+    assert all(b["advantages"].size(0) == 4 for b in batches)
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
+    assert metrics["env/turn_samples"] == 0 and metrics["env/turn_samples_skipped"] == 4
+
+
+def test_a_seed_style_run_resumes_and_keeps_its_ledger(compose_cfg, tmp_path):
+    overrides = [*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "training.save_steps=1"]
+    first = recipe.train(compose_cfg([*overrides, "training.max_steps=1"]), launch_dir=str(tmp_path), env=SeedEnv())
+    assert first.steps == 1
+    cfg = compose_cfg([*overrides, "training.max_steps=2", f"resume={tmp_path / 'run'}"])
+    resumed = recipe.train(cfg, launch_dir=str(tmp_path), env=SeedEnv())
+    assert resumed.steps == 2 and resumed.mlflow_run_id == first.mlflow_run_id
+    from mlflow.tracking import MlflowClient
+
+    from grpo_pipeline.tracking.ledger import read
+
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(resumed.mlflow_run_id,
+                                                                                     "env/turn_samples")
+    assert sorted(m.step for m in history) == [1, 2] and all(m.value == 4 for m in history)
+    steps = [e["step"] for e in read(tmp_path / "run" / "episodes.jsonl") if e["split"] == "train"]
+    assert sorted(set(steps)) == [1, 2] and all(steps.count(s) == 4 for s in (1, 2))
+
+
+class _Booker:
+    """A stand-in model for HotelSeedEnv: its second turn books the room its first turn's search showed."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tokenizer, text):
+        self.tokenizer, self.text, self.calls = tokenizer, text, 0
+
+    def generate(self, input_ids, attention_mask, max_new_tokens):
+        self.calls += 1
+        new = self.tokenizer(self.text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_the_seed_style_hotel_runs_its_own_turns():
+    tokenizer = build_tiny_tokenizer()
+    env = HotelSeedEnv()
+    assert env.respond is None  # the runtime does not drive its turns
+    request = env.build_dataset(tokenizer)[0]["request"]
+    args = {k: request[k] for k in ("city", "guests", "max_price")}
+    search = f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'
+    best = next(r for r in env.search_rooms(**args) if env.wishes_met(r, request)[0] == env.wishes_met(r, request)[1])
+    book = f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": best["room_id"]}})}</tool_call>'
+    model = _Booker(tokenizer, book)
+    assert env.score_episode(model, tokenizer, search, request) == 1.0 and model.calls == 1
+    nothing = _Booker(tokenizer, "I cannot help.")
+    assert env.score_episode(nothing, tokenizer, "Hello", request) == 0.0 and nothing.calls == env.max_turns - 1
