@@ -1,15 +1,18 @@
-"""Multi-turn training on env=hotel, side by side at the same wall-clock budget (SmolLM2, 2 cores):
+"""Multi-turn training on env=hotel, side by side at the same wall-clock budget (SmolLM2, 2 cores), four ways:
 
-  (a) first-turn: yesterday's design. TRL samples and trains the first assistant reply only; score_episode
-      plays the later turns itself with model.generate (no gradient) and credits the whole episode to turn 1.
-  (b) trajectory: the runtime generates every turn (HotelEnv.respond); every assistant turn is trained, the
-      env's tokens are masked.
+  (a) first-turn: the env written the documents' way (HotelSeedEnv: score_episode plays turns 2.. itself with
+      model.generate) with runtime.train_env_calls=false: only the first reply is trained.
+  (b) trajectory: the runtime generates every turn (HotelEnv.respond); every assistant turn is trained with the
+      episode's advantage, the env's tokens masked.
+  (c) seed-steps: HotelSeedEnv as written, runtime.train_env_calls=true (the default): every turn its own
+      model.generate calls sampled is trained as a row of its own, with the episode's advantage.
+  (d) turn-credit: (b) with runtime.turn_credit=turn: each turn its own advantage (HotelEnv.score_turn).
 
-For each mode and seed: held-out (unique test requests, greedy episodes) mean reward and success rate
+For each mode and seed: held-out (unique test requests, greedy episodes) mean reward, gain +- SE and success rate
 before -> after, steps, seconds per step, and the wait before the first training step.
 
-    .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 --minutes 12
-    .venv/bin/python scripts/bench/multiturn.py --modes trajectory -- env.difficulty=easy
+    .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 2 --minutes 20
+    .venv/bin/python scripts/bench/multiturn.py --modes trajectory seed-steps -- env.difficulty=easy
 """
 
 import argparse
@@ -25,34 +28,16 @@ from hydra.core.global_hydra import GlobalHydra
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
-from grpo_pipeline.envs.hotel import HotelEnv
-from grpo_pipeline.prompts import render_prompt
+from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv
 from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
-
-class FirstTurnHotel(HotelEnv):
-    """(a): no `respond`, so TRL generates (and trains) only the first reply; the later turns are played here."""
-
-    respond = None
-
-    def score_episode(self, model, tokenizer, completion, request, **_):
-        opening = self._opening(request)
-        messages = opening + [{"role": "assistant", "content": completion}]
-        for _turn in range(1, self.max_turns):
-            reply = HotelEnv.respond(self, messages, request)
-            if reply is None:
-                break
-            messages.append(reply)
-            text, _ = render_prompt(tokenizer, messages)
-            inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-            out = model.generate(**inputs, max_new_tokens=self.turn_max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-            messages.append({"role": "assistant",
-                             "content": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)})
-        return HotelEnv.score_episode(self, model, tokenizer, messages[len(opening):], request)
-
-
-MODES = {"first-turn": FirstTurnHotel, "trajectory": HotelEnv}
+MODES = {  # mode -> (env class, overrides)
+    "first-turn": (HotelSeedEnv, ["runtime.train_env_calls=false"]),
+    "trajectory": (HotelEnv, []),
+    "seed-steps": (HotelSeedEnv, []),
+    "turn-credit": (HotelEnv, ["runtime.turn_credit=turn"]),
+}
 
 
 def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -> dict:
@@ -63,14 +48,16 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
             # a step: 8 episodes (2 requests x 4), up to 3 turns of 64 tokens, as in issue 13
             "training.batch_size=8", "generation.oversample=1", "generation.max_new_tokens=64",
             "eval.every_steps=0", f"output_dir={out / f'{mode}-seed{seed}'}",
-            "tracking.experiment_name=bench_multiturn", *overrides])
+            "tracking.experiment_name=bench_multiturn", *MODES[mode][1], *overrides])
     env_kwargs = {k: v for k, v in cfg.env.items() if k != "_target_"}
     started = time.monotonic()
     r = train(cfg, launch_dir=os.getcwd(), overrides=[f"mode={mode}", f"seed={seed}", *overrides],
-              env=MODES[mode](**env_kwargs))
+              env=MODES[mode][0](**env_kwargs))
     wall = time.monotonic() - started
     flat = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "frac_reward_zero_std")
+    turns = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_samples")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
+            "turn_rows": statistics.fmean(turns) if turns else None,
             "flat_groups": statistics.fmean(flat) if flat else None,
             "s_per_step": r.train_seconds / max(r.steps, 1), "wait_before_first_step": r.startup_seconds,
             "rewards": r.rewards, "wall_s": wall}
@@ -99,19 +86,25 @@ def main() -> None:
 def report(rows: list[dict], args) -> None:
     print()
     harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
-    table = harness.Table("mode      ", "seed", "mean reward", "success", "steps", "s/step", "wait before step 1",
-                          "train reward first 3 -> last 3", "flat groups")
+    table = harness.Table("mode      ", "seed", "mean reward", "gain (+- SE)", "success", "steps", "s/step",
+                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "turn rows")
     for r in rows:
         b, a, curve = r["before"], r["after"], r["rewards"]
         table.row(r["mode"], r["seed"], f"{b['mean_reward']:.3f} -> {a['mean_reward']:.3f}",
+                  f"{a['mean_reward'] - b['mean_reward']:+.3f} +- {a.get('gain_se') or 0:.3f}",
                   f"{b['success_rate']:.2f} -> {a['success_rate']:.2f}", r["steps"], f"{r['s_per_step']:.1f}",
-                  f"{r['wait_before_first_step']:.0f} s",
+                  f"{r['wall_s'] / 60:.1f} min", f"{r['wait_before_first_step']:.0f} s",
                   f"{statistics.fmean(curve[:3]):.3f} -> {statistics.fmean(curve[-3:]):.3f}",
-                  f"{r['flat_groups'] or 0:.2f}")
+                  f"{r['flat_groups'] or 0:.2f}", f"{r['turn_rows']:.1f}" if r["turn_rows"] is not None else "-")
     for mode in args.modes:
-        lifts = [r["after"]["success_rate"] - r["before"]["success_rate"] for r in rows if r["mode"] == mode]
-        if lifts:
-            print(f"{mode}: success-rate lift mean {statistics.fmean(lifts):+.3f}, min {min(lifts):+.3f}")
+        mine = [r for r in rows if r["mode"] == mode]
+        if mine:
+            lifts = [r["after"]["success_rate"] - r["before"]["success_rate"] for r in mine]
+            after = [r["after"]["success_rate"] for r in mine]
+            spread = f", std {statistics.stdev(after):.3f}" if len(after) > 1 else ""
+            print(f"{mode}: success after mean {statistics.fmean(after):.3f}{spread}, min {min(after):.3f}; "
+                  f"lift mean {statistics.fmean(lifts):+.3f}, min {min(lifts):+.3f}; "
+                  f"s/step mean {statistics.fmean(r['s_per_step'] for r in mine):.1f}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,14 @@ from grpo_pipeline.tracking.outputs import (
     write_outputs,
 )
 from grpo_pipeline.tracking.redact import mask_override, masked_config, redact_log_records, register_config
-from grpo_pipeline.training.callbacks import Diverged, DivergenceGuard, RunLogger, StopControl, finite
+from grpo_pipeline.training.callbacks import (
+    Diverged,
+    DivergenceGuard,
+    NoSignalGuard,
+    RunLogger,
+    StopControl,
+    finite,
+)
 from grpo_pipeline.training.checkpoints import (
     RUN_ID_FILE,
     CheckpointMarker,
@@ -73,7 +80,7 @@ def train(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str] |
         _open_run(run)
         ledger = _open_ledger(run)
         trainer = book.trainer = _build_trainer(run, ledger, [CheckpointMarker(run.uid, run.cfg.training.save_total_limit),
-                                                             book.guard])
+                                                             book.guard, *filter(None, [book.no_signal])])
         score, validation = _evaluation(run, trainer, ledger, book.stop)
         eval_before = _eval_before(run, score)
         train_seconds = _fit(run, trainer, book.stop, validation)
@@ -182,6 +189,9 @@ class Bookkeeping:
     def __init__(self, run: Run):
         self.run, self.trainer = run, None
         self.stop = StopControl(run.tracker, max_minutes=run.cfg.training.max_minutes)
+        quiet, args = run.cfg.training.no_signal, run.grpo_config
+        self.no_signal = NoSignalGuard(self.stop, quiet.flat_share, quiet.patience, quiet.min_groups, quiet.min_entropy,
+                                       args.generation_batch_size // args.num_generations) if quiet.enabled else None
         self.guard = DivergenceGuard(run.cfg.training.learning_rate)
 
     def __enter__(self) -> "Bookkeeping":

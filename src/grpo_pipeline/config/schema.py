@@ -167,6 +167,18 @@ class RewardConfig:
 
 
 @dataclass
+class NoSignalConfig:
+    # Stop a run that cannot learn, with a checkpoint and a diagnosis: when at least flat_share of the groups of the
+    # last `patience` steps (or of the last min_groups groups, when those steps hold fewer) had no reward spread, or
+    # when the policy's mean token entropy stayed below min_entropy for `patience` steps (0: not checked).
+    enabled: bool = True
+    flat_share: float = 0.95
+    patience: int = 20
+    min_groups: int = 40
+    min_entropy: float = 0.0
+
+
+@dataclass
 class TrainingConfig:
     # null: the plan chooses from the model and the fine-tuning mode (config/plan.py, recipe_choices): what a
     # conf/recipe/<model>_<lora>.yaml tuned, else LoRA 1e-4 / full fine-tuning 1e-5.
@@ -199,6 +211,7 @@ class TrainingConfig:
     save_model: bool = True
     # Stop training after this many minutes (a normal end, checked after each step); null: no time limit.
     max_minutes: float | None = None
+    no_signal: NoSignalConfig = field(default_factory=NoSignalConfig)
 
 
 @dataclass

@@ -22,6 +22,8 @@ from collections import defaultdict
 
 import torch
 
+from grpo_pipeline.envs.recorder import sampled_logps
+
 _MERGEABLE = {"max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
               "pad_token_id", "eos_token_id", "num_beams", "use_cache"}
 
@@ -170,7 +172,7 @@ class GenerateBatcher:
                 self._run_alone(calls[0])
                 return
             try:
-                out, width, logits = self._generate_merged(calls)
+                out, width, logps = self._generate_merged(calls)
             except Exception:  # one bad call must not fail the others: each runs on its own
                 for call in calls:
                     self._run_alone(call)
@@ -182,9 +184,9 @@ class GenerateBatcher:
                 n = call.input_ids.shape[0]
                 mine = out[row : row + n, width - call.input_ids.shape[1] :]
                 if call.recorder is not None:
-                    steps = logits.size(1) if call.limit is None else min(call.limit, logits.size(1))
-                    call.recorder.add(call.input_ids.cpu(), call.attention_mask.cpu(), out[row : row + n, width:],
-                                      logits[row : row + n, :steps], call.eos_ids.tolist())
+                    steps = logps.size(1) if call.limit is None else min(call.limit, logps.size(1))
+                    call.recorder.add(call.input_ids, call.attention_mask, out[row : row + n, width:],
+                                      logps[row : row + n, :steps], call.eos_ids.tolist())
                 mine = _trim(mine, call.input_ids.shape[1], call.limit, call.eos_ids)
                 call.result = mine.to(call.input_ids.device)
                 row += n
@@ -196,8 +198,8 @@ class GenerateBatcher:
                 call.done.set()
 
     def _generate_merged(self, calls: list[_Call]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        """The calls as one generate: (output ids, the input width, the raw logits of every generated position
-        when a call records what it sampled, else None)."""
+        """The calls as one generate: (output ids, the input width, and when a call records what it sampled, each
+        generated token's log-prob under the calls' temperature ([rows, steps]), else None)."""
         width = max(c.input_ids.shape[1] for c in calls)
         pad = calls[0].gen_kwargs.get("pad_token_id") or 0  # any id: padded positions are masked
         ids = torch.cat([_left_pad(c.input_ids.cpu(), width, pad) for c in calls])
@@ -212,7 +214,9 @@ class GenerateBatcher:
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         if record:
-            return out.sequences.cpu(), width, torch.stack(out.logits, dim=1).cpu()
+            temperature = next(c.recorder for c in calls if c.recorder is not None).temperature  # the calls' own
+            generated = out.sequences[:, width:]
+            return out.sequences.cpu(), width, sampled_logps(out.logits, generated, temperature).cpu()
         return out.cpu(), width, None
 
     def _run_alone(self, call: _Call) -> None:

@@ -70,7 +70,9 @@ class PolicyHandle:
     # --- what the env calls ----------------------------------------------------------------------
     def generate(self, *args, **kwargs):
         kwargs = self._capped(self._with_sampling(kwargs), args)
-        recorder = self._recorder if self._recorder is not None and self._recorder.accepts(args, kwargs) else None
+        recorder = self._recorder
+        if recorder is not None and not recorder.accepts(args, kwargs, self._model):
+            recorder = None
         with self._call():
             if self._batcher is not None:
                 return self._batcher.submit(self._label, args, kwargs, recorder)

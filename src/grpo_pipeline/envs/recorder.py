@@ -9,10 +9,11 @@ the run's temperature, as TRL computes the policy's). The trainer turns each int
 with its episode's advantage (training/turn_samples.py).
 
 A call is recorded only when it samples exactly as the run does: `do_sample` and the temperature, top-k and top-p
-of the run (filled in by the handle where the env left them out) and nothing that changes the distribution
-(`logits_processor`, `generation_config`, a repetition penalty, beams, several sequences per row). Other calls
-(greedy, their own sampling) are kept out of the loss and counted as skipped: their tokens were not sampled from
-the policy the loss assumes.
+of the run (filled in by the handle where the env left them out), and nothing else that changes the distribution,
+in the call or in the model's own `generation_config` (a repetition penalty, min_p, a minimum length, suppressed
+tokens, ...; e.g. Qwen2.5-Instruct ships repetition_penalty=1.1), nor beams or several sequences per row. Other
+calls (greedy, their own sampling) are kept out of the loss and counted as skipped: their tokens were not sampled
+from the distribution the loss assumes.
 """
 
 import threading
@@ -22,8 +23,14 @@ import torch
 
 # what a recorded call may set besides the sampling keys, which must equal the run's
 _NEUTRAL = {"max_new_tokens", "max_length", "pad_token_id", "eos_token_id", "use_cache", "attention_mask",
-            "input_ids", "inputs", "min_new_tokens"}
+            "input_ids", "inputs"}
 _SAMPLING = ("do_sample", "temperature", "top_k", "top_p")
+# generate settings that change the sampling distribution, and the value that leaves it alone (None: unset)
+_DISTORTING = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+               "min_length": 0, "min_new_tokens": 0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+               "eta_cutoff": 0.0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+               "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+               "exponential_decay_length_penalty": None, "num_beams": 1, "num_return_sequences": 1}
 
 
 @dataclass(frozen=True)
@@ -44,14 +51,16 @@ class CallRecorder:
         self.skipped = 0  # calls that did not sample as the run does
         self._lock = threading.Lock()
 
-    def accepts(self, args: tuple, kwargs: dict) -> bool:
-        """Whether this call (its kwargs as the handle completed them) samples from the policy as the run does;
-        counts it as skipped when not."""
+    def accepts(self, args: tuple, kwargs: dict, model=None) -> bool:
+        """Whether this call (its kwargs as the handle completed them, on `model`) samples from the policy as the
+        run does; counts it as skipped when not."""
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+        config = getattr(model, "generation_config", None)
         ok = (len(args) <= 1 and isinstance(ids, torch.Tensor) and ids.dim() == 2
               and ids.dtype in (torch.int, torch.long) and bool(kwargs.get("do_sample"))
               and not set(kwargs) - _NEUTRAL - set(_SAMPLING)
-              and all(kwargs.get(k) == v for k, v in self.sampling.items()))
+              and all(kwargs.get(k) == v for k, v in self.sampling.items())
+              and all(getattr(config, k, None) in (None, neutral) for k, neutral in _DISTORTING.items()))
         if not ok:
             with self._lock:
                 self.skipped += 1
@@ -59,21 +68,27 @@ class CallRecorder:
 
     def generate(self, model, args: tuple, kwargs: dict) -> torch.Tensor:
         """`model.generate(*args, **kwargs)` on its own, recorded; returns what the env's call would."""
+        from grpo_pipeline.envs.batching import _inferred_attention_mask
+
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")}
         out = model.generate(ids, **rest, output_logits=True, return_dict_in_generate=True)
+        eos = _eos_ids(model, kwargs)
         mask = kwargs.get("attention_mask")
-        mask = torch.ones_like(ids) if mask is None else mask
-        self.add(ids, mask, out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1), _eos_ids(model, kwargs))
+        if mask is None:  # the mask generate inferred
+            pad = kwargs.get("pad_token_id", getattr(getattr(model, "generation_config", None), "pad_token_id", None))
+            mask = _inferred_attention_mask(ids, pad if pad is not None else (eos[0] if eos else None),
+                                            torch.tensor(eos, dtype=torch.long))
+        generated = out.sequences[:, ids.shape[1]:]
+        self.add(ids, mask, generated, sampled_logps(out.logits, generated, self.temperature), eos)
         return out.sequences
 
     def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generated: torch.Tensor,
-            logits: torch.Tensor, eos_ids: list[int]) -> None:
-        """Rows of one call: its (left-padded) input, the tokens generated after it, and the raw logits of each
-        generated position ([rows, tokens, vocab])."""
-        logps = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        logps = logps.gather(-1, generated[:, : logps.size(1), None].to(logps.device)).squeeze(-1)
+            logps: torch.Tensor, eos_ids: list[int]) -> None:
+        """Rows of one call: its (left-padded) input, the tokens generated after it, and each generated token's
+        log-prob ([rows, tokens]; `sampled_logps`)."""
         samples = []
+        input_ids, attention_mask, generated, logps = (t.cpu() for t in (input_ids, attention_mask, generated, logps))
         for row in range(input_ids.size(0)):
             prompt = input_ids[row][attention_mask[row].bool()].tolist()
             ids = generated[row, : logps.size(1)].tolist()
@@ -85,8 +100,21 @@ class CallRecorder:
             self.samples += samples
 
 
+def sampled_logps(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[rows, steps] log-probs of the generated tokens under `temperature`, from generate's raw per-step logits
+    (`output_logits=True`), one step at a time where the logits are: never the whole [rows, steps, vocab] at once."""
+    columns = []
+    for step, step_logits in enumerate(logits[: generated.size(1)]):
+        tokens = generated[:, step].to(step_logits.device)
+        logp = torch.log_softmax(step_logits.float() / temperature, dim=-1)
+        columns.append(logp.gather(-1, tokens[:, None]).squeeze(-1))
+    return torch.stack(columns, dim=1) if columns else torch.zeros((generated.size(0), 0))
+
+
 def _eos_ids(model, kwargs: dict) -> list[int]:
     eos = kwargs.get("eos_token_id")
     if eos is None:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
     return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]

@@ -80,17 +80,19 @@ def make_rollout(plan, env, tokenizer, runner, model_path: Callable[[], str] | N
     return Rollout(env, tokenizer, runner, max_turns=plan.max_turns, turn_tokens=plan.turn_tokens,
                    max_episode_tokens=plan.max_episode_tokens, tools=tools, merged_generation=plan.merged_generation,
                    sampling_dtype=dtype, vllm=vllm, packed=plan.packed_generation, vllm_sync=plan.weight_sync,
-                   score_turns=plan.turn_credit == "turn")
+                   turn_credit=plan.turn_credit == "turn")
 
 
 class Rollout:
     def __init__(self, env, tokenizer, runner, max_turns: int, turn_tokens: int, max_episode_tokens: int,
                  tools: list[dict] | None = None, merged_generation: bool = False,
                  sampling_dtype: torch.dtype | None = None, vllm=None, reuse_cache: bool = True,
-                 packed: bool = False, vllm_sync: str | None = None, score_turns: bool = False):
+                 packed: bool = False, vllm_sync: str | None = None, turn_credit: bool = False):
         self.env, self.runner = env, runner
-        # runtime.turn_credit=turn: the env's score_turn after each sampled assistant turn (training/turn_credit.py)
-        self.score_turns = score_turns and callable(getattr(env, "score_turn", None))
+        # runtime.turn_credit=turn: a score for each sampled assistant turn (training/turn_credit.py), the env's
+        # score_turn after the turn where it has one, else 0.0
+        self.turn_credit = turn_credit
+        self.score_turns = turn_credit and callable(getattr(env, "score_turn", None))
         self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
         self.tokenizer = getattr(runner, "tokenizer", None) or tokenizer  # the env threads' shared one
         # what generates when vLLM does not (rollout/policy_copy.py): greedy episodes (held-out evaluation) the merged
@@ -155,7 +157,7 @@ class Rollout:
                         break
                     self._assistant_turn(model, live, sampling, prefix, limit,
                                          caches if self.reuse_cache else None, keep=turn < self.max_turns - 1)
-                    if self.score_turns and sampling.get("do_sample"):
+                    if self.turn_credit and sampling.get("do_sample"):
                         self._score_turn(live)
                     live = [t for t in live if not t.done]
                     if turn == self.max_turns - 1:
@@ -204,6 +206,10 @@ class Rollout:
         """The env's score of each live episode's last assistant turn (concurrently, under the runtime's rules); a
         call that fails, or a score that is not a finite real number, fails its episode."""
         live = [t for t in live if t.failure is None]
+        if not self.score_turns:  # no score_turn: the turns share the episode's reward
+            for t in live:
+                t.turn_scores.append(0.0)
+            return
         calls = [lambda t=t: _as_turn_score(self.env.score_turn(_conversation(t), **t.row), self.env) for t in live]
         outcomes = self.runner.call_env(calls, "score_turn", [t.row for t in live], [t.text for t in live])
         for t, (score, failure, seconds) in zip(live, outcomes, strict=True):

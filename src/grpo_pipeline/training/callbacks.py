@@ -86,7 +86,8 @@ EARLY_STOP, TRACKING_FAILED = 1, 100  # stop codes besides signal numbers; the h
 
 class StopControl(TrainerCallback):
     """Finish the current step, save a checkpoint, stop: on SIGINT/SIGTERM or when tracking gave up (an
-    error stop), or when validation asks for an early stop or training.max_minutes is up (a normal end)."""
+    error stop), or when validation asks for an early stop or training.max_minutes is up (a normal end).
+    `NoSignalGuard` stops through it too (an error stop, decided from the step's logs on every rank alike)."""
 
     def __init__(self, tracker: Tracker | None = None, validation=None, max_minutes: float | None = None):
         self.tracker, self.validation = tracker, validation
@@ -150,6 +151,69 @@ def _max_over_ranks(code: int, device) -> int:
     flag = torch.tensor([code], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+class NoSignalGuard(TrainerCallback):
+    """training.no_signal: a run whose groups have no reward spread, or whose policy has collapsed, teaches GRPO
+    nothing; stop it (with a checkpoint, through StopControl) and say why. Read from what TRL logs each step:
+    `frac_reward_zero_std` (the share of flat groups), `reward` and `entropy`, which every rank logs alike, so every
+    rank stops after the same step (its checkpoint saved first).
+    - flat: over the last `patience` steps (more where they hold fewer than `min_groups` groups), at least
+      `flat_share` of all groups were flat;
+    - collapsed: the mean token entropy stayed below `min_entropy` for `patience` steps."""
+
+    def __init__(self, stop: StopControl, flat_share: float, patience: int, min_groups: int, min_entropy: float,
+                 groups_per_step: int):
+        self.stop = stop
+        self.flat_share, self.patience, self.min_entropy = flat_share, patience, min_entropy
+        self.window = max(patience, math.ceil(min_groups / max(groups_per_step, 1)))  # steps
+        self.steps: list[tuple[float, float | None, float | None]] = []  # (flat share, reward, entropy) per step
+        self.diagnosis: str | None = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        flat = logs.get("frac_reward_zero_std")
+        if flat is None or self.diagnosis is not None:
+            return
+        self.steps = [*self.steps, (float(flat), logs.get("reward"), logs.get("entropy"))][-self.window:]
+        self.diagnosis = no_signal_diagnosis(self.steps, self.flat_share, self.patience, self.min_entropy,
+                                             state.global_step)
+        if self.diagnosis is not None:
+            self.stop.reason = self.diagnosis  # the run ends FAILED with it; _fit names the checkpoint to resume
+            control.should_save = control.should_training_stop = True
+        return control
+
+
+def no_signal_diagnosis(steps: list[tuple[float, float | None, float | None]], flat_share: float, patience: int,
+                        min_entropy: float, step: int) -> str | None:
+    """Why the last steps (flat share, mean reward, entropy) teach nothing, or None while they may."""
+    rewards = [r for _, r, _ in steps[-patience:] if r is not None]
+    entropies = [e for _, _, e in steps[-patience:] if e is not None]
+    reward = sum(rewards) / len(rewards) if rewards else float("nan")
+    entropy = sum(entropies) / len(entropies) if entropies else float("nan")
+    fix = ("What to change: a larger generation.num_generations, a higher generation.temperature, or data of the "
+           "right difficulty; `python -m grpo_pipeline check ...` (the env doctor) estimates the flat share per group "
+           "size before a run. training.no_signal.enabled=false turns this check off.")
+    collapsed = (min_entropy > 0 and len(entropies) >= patience and len(steps) >= patience
+                 and all(e < min_entropy for e in entropies))
+    if collapsed:
+        return (f"no learning signal at step {step}: the policy's entropy stayed below training.no_signal.min_entropy="
+                f"{min_entropy:g} for {patience} steps (mean {entropy:.4f}): it samples the same completion every "
+                "time, so every group is flat. A KL term to the base model (loss.kl_coef, e.g. 0.04) or an entropy "
+                "bonus (loss.entropy_coef) keeps a policy from collapsing; so does a lower learning rate. " + fix)
+    if len(steps) < patience:
+        return None
+    flat = sum(f for f, _, _ in steps) / len(steps)
+    if flat < flat_share:
+        return None
+    what = (f"every completion is right (mean reward {reward:.3f}): the data is too easy for this model now" if
+            reward >= 0.98 else
+            f"every completion is wrong (mean reward {reward:.3f}): the model never earns a reward to learn from" if
+            reward <= 0.02 else
+            f"the completions of each prompt score the same (mean reward {reward:.3f}, entropy {entropy:.3f}): "
+            "near-identical samples, or a score too coarse to tell them apart")
+    return (f"no learning signal at step {step}: {flat:.0%} of the groups of the last {len(steps)} steps had no reward "
+            f"spread (training.no_signal.flat_share={flat_share:g}), so their advantages are all 0; {what}. " + fix)
 
 
 class Diverged(PipelineError):

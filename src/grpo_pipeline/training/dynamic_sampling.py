@@ -172,7 +172,7 @@ def concat_outputs(a: dict, b: dict, pad_id: int) -> dict:
             continue
         if x.dim() > 1 and x.size(1) != y.size(1):
             width = max(x.size(1), y.size(1))
-            value = pad_id if key.endswith("_ids") else 0
+            value = pad_id if key.endswith("_ids") else 1.0 if key == "importance_sampling_ratio" else 0
             left = key.startswith("prompt")
             x, y = (torch.nn.functional.pad(t, (width - t.size(1), 0) if left else (0, width - t.size(1)),
                                             value=value) for t in (x, y))

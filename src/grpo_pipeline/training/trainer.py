@@ -135,6 +135,8 @@ class PipelineTrainer(GRPOTrainer):
                 out, spread, extra = self._resample_flat_groups(inputs, out, logs)
                 if extra is not None:
                     rounds.append(extra)
+            if "turn_advantages" in out:  # per-turn credit: a group teaches when any of its turns has an advantage
+                spread = ds.spread_of_groups(None, out["turn_advantages"].abs().amax(dim=1), self.num_generations)
             out = self._keep_groups_with_spread(out, spread, logs)
         if "turn_episode" in out:
             out = self._with_turn_rows(out)
@@ -154,12 +156,14 @@ class PipelineTrainer(GRPOTrainer):
         self.current_rows = inputs
         for value in self._logs.values():  # TRL keeps the last completions here; we want this batch's alone
             value.clear()
-        last = getattr(self.runner, "last_batch", {})
-        last.pop("turn_samples", None)
+        if self.runner is not None:
+            self.runner.last_batch.pop("turn_samples", None)  # the runner replaces last_batch when it scores
         out = super()._generate_and_score_completions(inputs)
+        last = self.runner.last_batch if self.runner is not None else {}
         turns = last.get("turn_samples")
         n = out["advantages"].size(0)
-        if self.model.training and turns is not None and len(turns) == n:
+        # one process: the rows added differ per process, and their extra forwards would mismatch the collectives
+        if self.model.training and turns is not None and len(turns) == n and self.accelerator.num_processes == 1:
             # tag each row with its episode: dynamic sampling selects and reorders rows, the tag goes with them
             out["turn_episode"] = torch.arange(len(self._turns), len(self._turns) + n, device=out["advantages"].device)
             self._turns += turns
@@ -220,12 +224,13 @@ class PipelineTrainer(GRPOTrainer):
         if "sampling_per_token_logps" not in out:
             del rows["sampling_per_token_logps"]
         n = out["advantages"].size(0)
+        rows = _padded_to_multiple(rows, n + rows["advantages"].size(0), self.args.steps_per_generation)
         missing = [k for k, v in out.items() if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == n and k not in rows]
         if missing:
             raise NotImplementedError(f"training an env's own generate calls with {missing} in TRL's batch is not "
                                       "supported; set runtime.train_env_calls=false")
         both = ds.concat_outputs(out, rows, self._tokenizer.pad_token_id or 0)
-        both["num_items_in_batch"] = out["num_items_in_batch"] + self.accelerator.gather(loss_mask(rows).sum()).sum()
+        both["num_items_in_batch"] = out["num_items_in_batch"] + loss_mask(rows).sum()  # one process (above)
         return both
 
     def _teacher_forced(self, rows: dict, reference: bool = False) -> torch.Tensor:
@@ -331,6 +336,21 @@ class PipelineTrainer(GRPOTrainer):
                            transcripts="transcript" in extra, turns=logs.get("turns"))
 
 
+def _padded_to_multiple(rows: dict, total: int, multiple: int) -> dict:
+    """`rows` with rows that train nothing (a copy of the first, its mask 0, advantage 0) appended so that the
+    batch's `total` rows split evenly into TRL's `multiple` (steps_per_generation) chunks: TRL's split would drop
+    the remainder, tokens the loss normaliser counts."""
+    extra = -total % multiple
+    if not extra:
+        return rows
+    filler = {k: v[:1].expand(extra, *v.shape[1:]).clone() for k, v in rows.items()}
+    filler["completion_mask"] = torch.zeros_like(filler["completion_mask"])
+    filler["advantages"] = torch.zeros_like(filler["advantages"])
+    if "turn_advantages" in filler:
+        filler["turn_advantages"] = torch.zeros_like(filler["turn_advantages"])
+    return {k: torch.cat([v, filler[k]]) for k, v in rows.items()}
+
+
 def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
     """The reward totals (reward_totals) of the n completions TRL logged in `logs`, or None where they cannot be
     read so: logs of another batch, or normalize_then_sum (its advantages are not a group's reward spread)."""
@@ -372,7 +392,7 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
         }
         if not rollout.multi_turn:  # TRL decodes the completion and scores it as text
             return out
-        if rollout.score_turns:
+        if rollout.turn_credit:
             out["turn_scores"] = [t.turn_scores for t in trajs]
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
         for key, value in episode_metrics(rollout, trajs).items():

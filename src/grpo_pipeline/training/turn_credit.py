@@ -9,8 +9,9 @@ episode i gets
 
 the return from turn k on (rewards earned before turn k are not its doing), against a baseline b[i, k] that is the
 mean of G[j, k] over the *other* episodes j of the group that reached turn k (leave-one-out; when none did, the
-mean of the others' whole returns G[j, 1]). `scale` is TRL's: the group's std of whole returns (scale_rewards=group),
-the batch's (batch) or 1 (none).
+mean of the others' whole returns G[j, 1]; an episode with no other scored one in its group gets 0, as GRPO gives a
+group of one). `scale` follows scale_rewards: the std of all the per-turn returns G of the group (group) or of the
+batch (batch), + 1e-4, or 1 (none); zero spread there means every advantage is 0 anyway.
 
 Why this estimator (verl #7244): the natural construction, normalising turn rewards per turn index and summing
 what each episode's turns got, subtracts a baseline whose number of terms is set by the episode's own stopping
@@ -19,8 +20,11 @@ penalty for taking another turn). Here the baseline of turn k is built from othe
 depend on what episode i does at turn k or after, and E[grad log pi(a_k | s_k) * b] = 0: the estimator is unbiased
 for the gradient of E[sum of turn scores + episode reward] (REINFORCE with reward-to-go). A test checks this
 exactly, by enumeration, on an MDP where the policy decides whether to take another turn
-(tests/test_turn_credit.py), and that the per-index normalisation is biased there. The price of leave-one-out:
-advantages are n/(n-1) times GRPO's for equal-length episodes without turn scores.
+(tests/test_turn_credit.py), and that the per-index normalisation is biased there. Exactly so with
+scale_rewards=none and a loss normalised by a constant; dividing by a std that includes the episode's own returns
+(scale_rewards=group, as GRPO does) and losses that divide a sequence by its own length (grpo, sapo, luspo) bring
+back the small own-episode dependence they bring to episode credit. The price of leave-one-out: advantages are
+n/(n-1) times GRPO's for equal-length episodes without turn scores.
 
 An env without `score_turn` has every turn share the episode's reward (G[i, k] = R[i]); each turn is then still
 compared with the other episodes that reached it. Functions of lists and tensors only; the trainer calls them.
@@ -46,13 +50,14 @@ def group_turn_advantages(rewards: list[float | None], turn_scores: list[list[fl
     gets 0 on every turn and is no one's baseline. `turn_scores[i]` has one score per assistant turn of episode i
     (0.0 where the env has no score_turn)."""
     returns = [None if r is None else turn_returns(s, r) for r, s in zip(rewards, turn_scores, strict=True)]
+    totals = [None if r is None else r + sum(s) for r, s in zip(rewards, turn_scores, strict=True)]
     out = []
     for i, mine in enumerate(returns):
-        if mine is None:
+        others = [g for j, g in enumerate(returns) if j != i and g is not None]
+        if mine is None or not others:  # unscored, or no other episode to compare with
             out.append([0.0] * len(turn_scores[i]))
             continue
-        others = [g for j, g in enumerate(returns) if j != i and g is not None]
-        whole = statistics.fmean(g[0] if g else 0.0 for g in others) if others else 0.0
+        whole = statistics.fmean(t for j, t in enumerate(totals) if j != i and t is not None)
         advantages = []
         for k, g in enumerate(mine):
             reached = [o[k] for o in others if len(o) > k]
@@ -82,22 +87,23 @@ def per_token_advantages(totals: list[float | None], turn_scores: list[list[floa
     0.0 for the turns without one)."""
     rows = tool_mask.size(0)
     segments = [turn_segments(tool_mask[r].tolist()) for r in range(rows)]
-    scores = [[(s or [])[k] if k < len(s or []) else 0.0 for k in range(len(seg))]
-              for s, seg in zip(turn_scores, segments, strict=True)]
-    whole = [None if t is None else t + sum(s) for t, s in zip(totals, scores, strict=True)]
-    scored = [w for w in whole if w is not None]
-    batch_std = statistics.stdev(scored) if len(scored) > 1 else 0.0
+    # the episode's turns: one score per assistant turn from the rollout (a row whose tokens TRL masked, e.g. a
+    # truncated one, keeps them: it still counts in the others' baselines); else one per run of model tokens
+    scores = [list(s) if s is not None else [0.0] * len(seg) for s, seg in zip(turn_scores, segments, strict=True)]
+    returns = [[] if t is None else turn_returns(s, t) for t, s in zip(totals, scores, strict=True)]
+    pooled = [g for r in returns for g in r]
+    batch_std = statistics.stdev(pooled) if len(pooled) > 1 else 0.0
     out = torch.zeros(tool_mask.shape, dtype=torch.float32, device=tool_mask.device)
     for g in range(rows // size):
         members = range(g * size, (g + 1) * size)
-        group = [whole[i] for i in members if whole[i] is not None]
         if scale_rewards == "none":
             scale = 1.0
         else:
-            spread = statistics.stdev(group) if len(group) > 1 else 0.0
-            scale = (spread if scale_rewards == "group" else batch_std) + 1e-4
+            group = [v for i in members for v in returns[i]]
+            scale = ((statistics.stdev(group) if len(group) > 1 else 0.0) if scale_rewards == "group"
+                     else batch_std) + 1e-4
         advantages = group_turn_advantages([totals[i] for i in members], [scores[i] for i in members], scale)
         for i, values in zip(members, advantages, strict=True):
-            for (start, end), value in zip(segments[i], values, strict=True):
+            for (start, end), value in zip(segments[i], values, strict=False):  # a masked row: fewer runs
                 out[i, start:end] = value
     return out
