@@ -37,6 +37,7 @@ from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split
 from grpo_pipeline.models import load_model, load_tokenizer, lora_target_modules, model_dir
 from grpo_pipeline.prompts import attach_tools, place_tools
 from grpo_pipeline.rewards.assemble import build_rewards
+from grpo_pipeline.rollout.sentinel import LogpGapWatch, WeightsSentinel
 from grpo_pipeline.rollout.turns import make_rollout
 from grpo_pipeline.tracking.ledger import heldout_scores
 from grpo_pipeline.tracking.mlflow_run import Tracker, TrackingError, flatten
@@ -445,7 +446,13 @@ def _build_trainer(run: Run, ledger, callbacks: list):
         record_episodes=bool(cfg.ledger.enabled),
         runner=run.runner,
         turn_credit=run.plan.turn_credit == "turn",
+        logp_watch=(LogpGapWatch(cfg.sentinel.logp_gap_warn, cfg.sentinel.logp_gap_stop, cfg.sentinel.patience)
+                    if cfg.sentinel.enabled else None),
     )
+    if rollout is not None and cfg.sentinel.enabled:  # the copy that samples is probed against the policy
+        dtype = run.plan.generation_dtype or cfg.model.dtype
+        rollout.sentinel = WeightsSentinel(f"the runtime's merged {dtype} copy of the policy (runtime.merged_generation"
+                                           f"{', runtime.generation_dtype' if run.plan.generation_dtype else ''})")
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     if cfg.tracking.report_to:  # transformers' TensorBoard / wandb callbacks (report_to) write into the run dir
         from grpo_pipeline.tracking.integrations import point_at_run_dir

@@ -350,6 +350,18 @@ class TrackingConfig:
 
 
 @dataclass
+class SentinelConfig:
+    # Checks that the sampler samples the policy being trained (rollout/sentinel.py). Before each training rollout
+    # the runtime's merged copy is probed against the policy; a copy that does not hold its weights stops the run.
+    enabled: bool = True
+    # The sampler's vs the trainer's log-probs on the tokens trained (sentinel/logp_gap_max, in nats): warn past
+    # logp_gap_warn (healthy bf16-copy runs peak near 0.9), stop past logp_gap_stop for `patience` steps in a row.
+    logp_gap_warn: float = 2.0
+    logp_gap_stop: float = 5.0
+    patience: int = 3
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = MISSING
     env: dict[str, Any] = MISSING
@@ -364,6 +376,7 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     seed: int = 42
     # Set by conf/recipe/<model>_<lora>.yaml (what was tuned for that model and mode); null: none applies.
     recipe: str | None = None

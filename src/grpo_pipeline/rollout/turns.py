@@ -34,6 +34,7 @@ from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.prompts import env_turn_text, render_prompt, supports_tools
 from grpo_pipeline.rollout.decode import RowCache, cached_rows, decode, expand_cache
 from grpo_pipeline.rollout.policy_copy import MergedCopy
+from grpo_pipeline.rollout.sentinel import WeightsSentinel
 from grpo_pipeline.rollout.vllm_engine import VllmBackend
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class Rollout:
         # runtime.turn_credit=turn: a score for each sampled assistant turn (training/turn_credit.py), the env's
         # score_turn after the turn where it has one, else 0.0
         self.turn_credit = turn_credit
+        self.sentinel: WeightsSentinel | None = None  # set by the recipe (sentinel.enabled)
+        self.sentinel_metrics: dict[str, float] = {}
         self.score_turns = turn_credit and callable(getattr(env, "score_turn", None))
         self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
         self.tokenizer = getattr(runner, "tokenizer", None) or tokenizer  # the env threads' shared one
@@ -131,10 +134,11 @@ class Rollout:
         return i, lengths[i], lengths[i] + self.max_episode_tokens
 
     # --- the episode loop ------------------------------------------------------------------------
-    def run(self, model, prompts: list, rows: list[dict], sampling: dict, turn_tokens: int | None = None
-            ) -> list[Trajectory]:
+    def run(self, model, prompts: list, rows: list[dict], sampling: dict, turn_tokens: int | None = None,
+            step: int = 0) -> list[Trajectory]:
         """Episodes for `prompts` (rows: their dataset columns). `turn_tokens` caps each assistant turn below
-        the rollout's own limit (e.g. eval.max_new_tokens)."""
+        the rollout's own limit (e.g. eval.max_new_tokens). A sampled rollout first checks that the copy it samples
+        from holds the policy's weights (`sentinel`, rollout/sentinel.py; its metrics in `sentinel_metrics`)."""
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
         policy, was_training = model, model.training
@@ -149,6 +153,8 @@ class Rollout:
                 else:
                     source = self.sampler if sampling.get("do_sample") else self.merged
                     model = source.of(policy) if source is not None else policy  # what generates
+                    if self.sentinel is not None and sampling.get("do_sample"):
+                        self.sentinel_metrics = self.sentinel.check(policy, model, trajs[0].prompt_ids, step)
                     prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
                 caches: dict[int, RowCache] = {}  # id(trajectory) -> its KV cache after the last turn
                 for turn in range(self.max_turns):

@@ -54,10 +54,12 @@ class PipelineTrainer(GRPOTrainer):
     # weights (vllm.weight_sync=weights): the sampled tokens' log-probs are the behaviour policy's
     behaviour_logps = False
     _loss_logps = None  # the trainer's log-probs of the batch being trained (for sampling/* metrics)
+    logp_watch = None  # sentinel.*: a LogpGapWatch (rollout/sentinel.py)
 
     def __init__(self, *args, shared_prefix_loss: bool = False, train_completions: int | None = None,
                  resample_flat: int = 0, flat_negative: float = 0.0, rollout: Rollout | None = None,
-                 ledger=None, record_episodes: bool = False, runner=None, turn_credit: bool = False, **kwargs):
+                 ledger=None, record_episodes: bool = False, runner=None, turn_credit: bool = False,
+                 logp_watch=None, **kwargs):
         """GRPOTrainer's arguments, plus the pipeline's: `shared_prefix_loss` (training.shared_prefix_loss; on only
         for a model it is exact for), dynamic sampling (`train_completions`: completions trained per step when more
         are sampled; `resample_flat`, `flat_negative`), the runtime's `rollout` (how its samples relate to the
@@ -68,6 +70,7 @@ class PipelineTrainer(GRPOTrainer):
         each assistant turn of a multi-turn episode gets its own advantage (runtime.turn_credit=turn)."""
         super().__init__(*args, **kwargs)
         self.runner, self.turn_credit = runner, turn_credit
+        self.logp_watch = logp_watch  # sentinel: the sampler's vs the trainer's log-probs (rollout/sentinel.py)
         self._turns: list = []  # the step's recorded samples, per episode row of its rounds (turn_samples.py)
         self._turns_skipped = 0
         self.shared_prefix_loss = shared_prefix_loss and prefix_logps.supported(self.model)
@@ -106,7 +109,8 @@ class PipelineTrainer(GRPOTrainer):
         return self._seen(logps), entropies, None
 
     def _seen(self, logps):
-        if self.behaviour_logps and torch.is_grad_enabled():  # the loss' forward, not a no-grad reference pass
+        # the loss' forward, not a no-grad reference pass
+        if (self.behaviour_logps or self.logp_watch is not None) and torch.is_grad_enabled():
             self._loss_logps = logps.detach()
         return logps
 
@@ -116,12 +120,17 @@ class PipelineTrainer(GRPOTrainer):
         self._loss_logps = None
         loss = super()._compute_loss(model, inputs)
         sampled = inputs.get("sampling_per_token_logps")
-        if self.behaviour_logps and self._loss_logps is not None and sampled is not None:
+        if self._loss_logps is not None and sampled is not None:
             mask = loss_mask(inputs)
             gap = (self._loss_logps - sampled).abs() * mask
+            mean, peak = (gap.sum() / mask.sum().clamp(min=1)).item(), gap.max().item()
             metrics = self._metrics["train"]
-            metrics["sampling/sampling_logp_difference/mean"].append((gap.sum() / mask.sum().clamp(min=1)).item())
-            metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
+            if self.behaviour_logps:
+                metrics["sampling/sampling_logp_difference/mean"].append(mean)
+                metrics["sampling/sampling_logp_difference/max"].append(peak)
+            if self.logp_watch is not None:
+                metrics["sentinel/logp_gap_max"].append(peak)
+                self.logp_watch.observe(peak, mean, self.state.global_step + 1)
         return loss
 
     def _generate_and_score_completions(self, inputs):
@@ -384,7 +393,10 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
     def run(prompts: list, trainer: PipelineTrainer) -> dict:
         rows = [{k: x[k] for k in extra_columns} for x in trainer.current_rows]
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        trajs = rollout.run(policy, prompts, rows, sampling)
+        rollout.sentinel_metrics = {}
+        trajs = rollout.run(policy, prompts, rows, sampling, step=trainer.state.global_step + 1)
+        for key, value in rollout.sentinel_metrics.items():  # the sampler checked against the policy
+            trainer._metrics["train"][key].append(value)
         out = {
             "prompt_ids": [t.prompt_ids for t in trajs],
             "completion_ids": [t.completion_ids for t in trajs],
