@@ -15,6 +15,18 @@ from grpo_pipeline.rollout.sentinel import LogpGapWatch, SamplerStale
 from grpo_pipeline.rollout.turns import generate
 
 
+class LengthEnv:
+    """Scores a completion by its length: the tiny model's groups have reward spread, so its adapter trains."""
+
+    def build_dataset(self, tokenizer):
+        from datasets import Dataset
+
+        return Dataset.from_list([{"prompt": f"Count to {i}", "i": i} for i in range(24)])
+
+    def score_episode(self, model, tokenizer, completion, i):
+        return (len(completion) % 5) / 4
+
+
 def test_a_copy_that_stops_following_the_policy_stops_the_run(compose_cfg, tmp_path, monkeypatch):
     original = MergedCopy.of
 
@@ -22,21 +34,25 @@ def test_a_copy_that_stops_following_the_policy_stops_the_run(compose_cfg, tmp_p
         return original(self, policy) if self._copy is None else self._copy
 
     monkeypatch.setattr(MergedCopy, "of", never_refreshed)
-    cfg = compose_cfg([*tiny_overrides(tmp_path), "training.max_steps=6", "training.learning_rate=0.05"])
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "training.max_steps=6",
+                       "training.learning_rate=0.05"])
     with pytest.raises(SamplerStale, match="does not hold the policy's current weights") as stopped:
-        recipe.train(cfg, launch_dir=str(tmp_path))
+        recipe.train(cfg, launch_dir=str(tmp_path), env=LengthEnv())
     assert "merged float32 copy" in str(stopped.value)
     assert (tmp_path / "run" / "model-interrupted").is_dir()  # what was trained is kept
 
 
 def test_a_healthy_run_logs_its_sentinels(compose_cfg, tmp_path):
-    result = recipe.train(compose_cfg([*tiny_overrides(tmp_path), "training.learning_rate=0.05"]),
-                          launch_dir=str(tmp_path))
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "training.max_steps=4",
+                       "training.learning_rate=0.05"])
+    result = recipe.train(cfg, launch_dir=str(tmp_path), env=LengthEnv())
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     match = client.get_metric_history(result.mlflow_run_id, "sentinel/weights_match")
-    assert sorted(m.step for m in match) == [1, 2] and all(m.value == 1.0 for m in match)
+    assert sorted(m.step for m in match) == [1, 2, 3, 4] and all(m.value == 1.0 for m in match)
+    effect = client.get_metric_history(result.mlflow_run_id, "sentinel/adapter_effect")
+    assert max(m.value for m in effect) > 1e-3  # the adapter moved the policy, and the copy followed
     gap = client.get_metric_history(result.mlflow_run_id, "sentinel/logp_gap_max")
     assert gap and all(m.value < 1e-3 for m in gap)  # a float32 copy samples what the trainer computes
 
