@@ -65,7 +65,7 @@ def main() -> None:
             completions = int(params.get("training.batch_size", 8)) * int(params.get("generation.oversample", 1) or 1)
             groups = max(1, completions // int(params.get("generation.num_generations", 4)))
             stop, said, worst = replay(flat, reward, entropy, groups, cfg)
-            table.row(name, run.info.run_name or run.info.run_id[:8], params.get("env._target_", "?").split(".")[-1],
+            table.row(name, (run.info.run_name or run.info.run_id)[:40], params.get("env._target_", "?").split(".")[-1],
                       len(flat), groups, f"{worst:.2f}", f"{min(entropy):.4f}" if entropy else "-",
                       f"step {stop}" if stop else "never")
             if said:

@@ -452,7 +452,8 @@ def _build_trainer(run: Run, ledger, callbacks: list):
     if rollout is not None and cfg.sentinel.enabled:  # the copy that samples is probed against the policy
         dtype = run.plan.generation_dtype or cfg.model.dtype
         rollout.sentinel = WeightsSentinel(f"the runtime's merged {dtype} copy of the policy (runtime.merged_generation"
-                                           f"{', runtime.generation_dtype' if run.plan.generation_dtype else ''})")
+                                           f"{', runtime.generation_dtype' if run.plan.generation_dtype else ''})",
+                                           every_steps=cfg.sentinel.every_steps)
     trainer.remove_callback(PrinterCallback)  # RunLogger prints one readable line per step instead
     if cfg.tracking.report_to:  # transformers' TensorBoard / wandb callbacks (report_to) write into the run dir
         from grpo_pipeline.tracking.integrations import point_at_run_dir

@@ -354,6 +354,8 @@ class SentinelConfig:
     # Checks that the sampler samples the policy being trained (rollout/sentinel.py). Before each training rollout
     # the runtime's merged copy is probed against the policy; a copy that does not hold its weights stops the run.
     enabled: bool = True
+    # The copy is probed at the first training rollout and then every every_steps steps (a probe costs two forwards).
+    every_steps: int = 10
     # The sampler's vs the trainer's log-probs on the tokens trained (sentinel/logp_gap_max, in nats): warn past
     # logp_gap_warn (healthy bf16-copy runs peak near 0.9), stop past logp_gap_stop for `patience` steps in a row.
     logp_gap_warn: float = 2.0

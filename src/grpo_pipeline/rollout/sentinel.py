@@ -4,12 +4,13 @@ Users of GRPO frameworks lose days to runs that go on while the sampler generate
 weights (unsloth PR #8701: LoRA silently ignored on TRL 1.10) or while its log-probs drift from the trainer's
 (trl #4159, #6789). Two checks, both on by default:
 
-- `WeightsSentinel`, before each training rollout of the runtime's merged copy (rollout/policy_copy.py): the policy,
-  the base model (its adapter switched off) and the copy that will sample each score a fixed probe of 16 tokens
-  (one small forward each). The copy matches when its log-probs of the policy's most likely tokens are within the
-  dtype's noise of the policy's, or closer to the policy's than the adapter's whole effect is (a copy that missed
-  the adapter, or was not refreshed for several steps, sits at the base model's or an old step's values). A mismatch
-  stops the run, naming the path that went stale. Logged: `sentinel/weights_match` (1/0), `sentinel/weights_gap`,
+- `WeightsSentinel`, before the first training rollout and every `sentinel.every_steps` steps after, on the
+  runtime's merged copy (rollout/policy_copy.py): the policy and the copy that will sample each score a fixed probe
+  of 16 tokens (one forward each; a forward reads every weight, ~0.07 s on SmolLM2 on 2 cores, so not every step).
+  The copy matches when its log-probs of the policy's most likely tokens are within the dtype's noise of the
+  policy's; past it, the base model (the adapter switched off) scores the probe too, and the copy still matches if it
+  is closer to the policy than the adapter's whole effect (a copy that missed the adapter, or was not refreshed for
+  several steps, sits at the base model's or an old step's values). A mismatch stops the run, naming the path. Logged: `sentinel/weights_match` (1/0), `sentinel/weights_gap`,
   `sentinel/adapter_effect` and `sentinel/seconds`. Where TRL generates from the policy itself there is no copy to
   check; the runtime's vLLM engine is not probed (its log-prob gap below is the check there).
 - `LogpGapWatch` (trainer.py): the gap between the sampler's log-probs and the trainer's on the tokens trained
@@ -38,14 +39,19 @@ class SamplerStale(PipelineError):
 
 
 class WeightsSentinel:
-    def __init__(self, path: str, noise: float | None = None):
+    def __init__(self, path: str, noise: float | None = None, every_steps: int = 1):
         self.path = path  # names the sampler in messages, e.g. "the runtime's merged bfloat16 copy"
         self.noise = noise  # the dtype's gap on a correct copy; None: measured at the first check
+        self.every_steps = max(1, every_steps)
         self.probe: torch.Tensor | None = None
+        self.last_step: int | None = None  # of the last check
 
     def check(self, policy, sampler, context: list[int], step: int) -> dict[str, float]:
         """Probe `sampler` against `policy` (from the first PROBE_TOKENS of `context`, kept for the whole run);
         raises SamplerStale on a mismatch; returns the sentinel/* metrics."""
+        if self.last_step is not None and step < self.last_step + self.every_steps:
+            return {}
+        self.last_step = step
         started = time.monotonic()
         if self.probe is None:
             self.probe = torch.tensor([context[:PROBE_TOKENS]])
@@ -57,13 +63,15 @@ class WeightsSentinel:
             top = mine.argmax(-1, keepdim=True)
             theirs = _logps(sampler, self.probe).gather(-1, top)
             mine = mine.gather(-1, top)
-            base = _base_logps(policy, self.probe)
-            effect = 0.0 if base is None else (mine - base.gather(-1, top)).abs().max().item()
-        gap = (mine - theirs).abs().max().item()
-        if self.noise is None:  # first check: the copy was just built from the policy; what remains is dtype noise
-            # (a float32 copy: ~1e-5; a bf16 one: a few hundredths, growing with the adapter, hence the floor)
-            exact = next(sampler.parameters()).dtype == torch.float32
-            self.noise = max(3 * gap, 1e-3 if exact else 0.1)
+            gap = (mine - theirs).abs().max().item()
+            if self.noise is None:  # first check: the copy was just built from the policy: what remains is the dtype's
+                # noise (a float32 copy: ~1e-5; a bf16 one: ~0.1-0.2 nats, growing with the adapter, hence the floor)
+                exact = next(sampler.parameters()).dtype == torch.float32
+                self.noise = max(3 * gap, 1e-3 if exact else 0.1)
+            effect = 0.0
+            if gap > self.noise:  # past the noise: is the copy nearer the policy than the adapter's whole effect?
+                base = _base_logps(policy, self.probe)
+                effect = 0.0 if base is None else (mine - base.gather(-1, top)).abs().max().item()
         matched = gap <= self.noise or gap < 0.5 * effect
         metrics = {"sentinel/weights_match": float(matched), "sentinel/weights_gap": gap,
                    "sentinel/adapter_effect": effect, "sentinel/seconds": time.monotonic() - started}
