@@ -236,8 +236,12 @@ def test_env_turns_sample_with_the_configured_settings_and_greedily_in_evaluatio
     env.gen_kwargs = {"own_temperature": {"temperature": 0.2}, "greedy": {"do_sample": False}}
     r = runner(env, sampling=SAMPLING, batch_generate=False)
     r.score(["generate:", "generate:own_temperature", "generate:greedy"], rows(3))
-    expected = [SAMPLING, SAMPLING | {"temperature": 0.2}, {"do_sample": False}]
+    # the call sampling as the run does is recorded (its turn is trained): generate is asked for its logits
+    recorded = {"output_logits": True, "return_dict_in_generate": True}
+    expected = [SAMPLING | recorded, SAMPLING | {"temperature": 0.2}, {"do_sample": False}]
     assert _canonical(r.model.kwargs) == _canonical(expected)
+    # this fake generate returns a plain tensor, no logits: the call works, is not trained, and is counted
+    assert [len(s) for s in r.last_batch["turn_samples"]] == [0, 0, 0] and r.last_batch["turn_samples_skipped"] == 3
     r.model.kwargs.clear()
     r.score(["generate:", "generate:own_temperature"], rows(2), evaluation=True)
     expected = [{"do_sample": False}, {"do_sample": False, "temperature": 0.2}]

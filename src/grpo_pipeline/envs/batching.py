@@ -213,10 +213,16 @@ class GenerateBatcher:
             kwargs |= {"output_logits": True, "return_dict_in_generate": True}
         with torch.no_grad():
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-        if record:
+        if record and hasattr(out, "sequences") and getattr(out, "logits", None):
             temperature = next(c.recorder for c in calls if c.recorder is not None).temperature  # the calls' own
             generated = out.sequences[:, width:]
             return out.sequences.cpu(), width, sampled_logps(out.logits, generated, temperature).cpu()
+        if record:  # a model whose generate ignores output_logits: nothing to record
+            for call in calls:
+                if call.recorder is not None:
+                    call.recorder.unrecordable()
+                    call.recorder = None
+            out = getattr(out, "sequences", out)
         return out.cpu(), width, None
 
     def _run_alone(self, call: _Call) -> None:

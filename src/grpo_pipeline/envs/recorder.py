@@ -73,6 +73,9 @@ class CallRecorder:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")}
         out = model.generate(ids, **rest, output_logits=True, return_dict_in_generate=True)
+        if not hasattr(out, "sequences") or not getattr(out, "logits", None):  # a model whose generate ignores them
+            self.unrecordable()
+            return out
         eos = _eos_ids(model, kwargs)
         mask = kwargs.get("attention_mask")
         if mask is None:  # the mask generate inferred
@@ -82,6 +85,11 @@ class CallRecorder:
         generated = out.sequences[:, ids.shape[1]:]
         self.add(ids, mask, generated, sampled_logps(out.logits, generated, self.temperature), eos)
         return out.sequences
+
+    def unrecordable(self) -> None:
+        """A call accepted whose generate returned no per-step logits: not trained, counted as skipped."""
+        with self._lock:
+            self.skipped += 1
 
     def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generated: torch.Tensor,
             logps: torch.Tensor, eos_ids: list[int]) -> None:
