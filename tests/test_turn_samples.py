@@ -82,6 +82,31 @@ def test_recorded_turns_are_the_tokens_sampled_with_their_log_probs(tiny, batch_
         assert torch.allclose(forced, torch.tensor(sample.logprobs), atol=1e-4)
 
 
+def test_in_training_recorded_calls_sample_from_the_rollouts_copy_with_its_decode_loop(tiny):
+    from grpo_pipeline.rollout.turns import Rollout
+
+    tokenizer, model = tiny
+    env = SeedEnv()
+    runner = EpisodeRunner(env, tokenizer, RuntimeConfig(), ["i"], sampling=SAMPLING)
+    runner.bind(model)
+    rollout = Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=6, max_episode_tokens=6)
+    used = []
+    fast = rollout.sample_for_env
+    runner.fast_generate = lambda *a: used.append(len(a[0])) or fast(*a)
+    data = env.build_dataset(tokenizer)
+    torch.manual_seed(0)
+    trajs = rollout.run(model, data["prompt"][:4], [{"i": i} for i in range(4)], SAMPLING)  # the step's first turns
+    recorders = [CallRecorder(SAMPLING) for _ in range(4)]
+    episodes = runner.run_episodes([t.text for t in trajs], [{"i": i} for i in range(4)], recorders=recorders)
+    assert all(ep.error is None for ep in episodes) and sum(used) == 4  # the 4 episodes' calls, by the decode loop
+    for i, rec in enumerate(recorders):
+        sample = rec.samples[0]
+        given, got = env.calls[i]
+        assert sample.prompt_ids == given and sample.completion_ids == got[: len(sample.completion_ids)]
+        forced = _teacher_forced(model, sample.prompt_ids, sample.completion_ids, SAMPLING["temperature"])
+        assert torch.allclose(forced, torch.tensor(sample.logprobs), atol=1e-4)
+
+
 def test_calls_that_do_not_sample_as_the_run_are_counted_not_recorded(tiny):
     tokenizer, model = tiny
     runner = EpisodeRunner(SeedEnv(greedy=True), tokenizer, RuntimeConfig(), ["i"], sampling=SAMPLING)

@@ -51,8 +51,12 @@ class _Call:
 
 
 class GenerateBatcher:
-    def __init__(self, model, pad_token_id: int, eos_token_id: int | list[int] | None, max_wait_s: float = 0.02):
+    def __init__(self, model, pad_token_id: int, eos_token_id: int | list[int] | None, max_wait_s: float = 0.02,
+                 fast=None):
         self.model = model
+        # fast(sequences, max_new_tokens, sampling, eos_ids) -> (ids, log-probs) per sequence, or None: the runtime's
+        # decode loop on its sampling copy (rollout/turns.py), used for calls whose samples are recorded
+        self.fast = fast
         # fallbacks for a model without a generation_config; a real model's config and the call's kwargs win
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -168,6 +172,14 @@ class GenerateBatcher:
 
     def _run(self, calls: list[_Call]) -> None:
         try:
+            if self.fast is not None:
+                try:
+                    if self._run_fast(calls):
+                        return
+                except Exception:  # the decode loop could not run them: generate does
+                    for call in calls:
+                        call.result = None
+
             if len(calls) == 1:
                 self._run_alone(calls[0])
                 return
@@ -224,6 +236,37 @@ class GenerateBatcher:
                     call.recorder = None
             out = getattr(out, "sequences", out)
         return out.cpu(), width, None
+
+    def _run_fast(self, calls: list[_Call]) -> bool:
+        """Recorded calls through the runtime's decode loop on its sampling copy (one batch, each row unpadded; the
+        copy is the one the step's first turns sampled from); False where it does not apply (a call not recorded,
+        no max_new_tokens, other eos ids: generate runs them)."""
+        if any(c.recorder is None or c.limit is None for c in calls):
+            return False
+        sequences = [c.input_ids[r][c.attention_mask[r].bool()].tolist() for c in calls for r in range(c.input_ids.size(0))]
+        sampling = {k: calls[0].gen_kwargs.get(k) for k in ("do_sample", "temperature", "top_k", "top_p")}
+        result = self.fast(sequences, max(c.limit for c in calls), sampling, calls[0].eos_ids.tolist())
+        if result is None:
+            return False
+        ids, logps = result
+        row = 0
+        for call in calls:
+            n = call.input_ids.size(0)
+            mine = [i[: call.limit] for i in ids[row : row + n]]
+            width = max(1, max(len(i) for i in mine))
+            pad = call.gen_kwargs.get("pad_token_id")
+            pad = pad if pad is not None else (int(call.eos_ids[0]) if len(call.eos_ids) else self.pad_token_id)
+            generated = torch.full((n, width), pad, dtype=call.input_ids.dtype)
+            values = torch.zeros((n, width))
+            for r, (i, lp) in enumerate(zip(mine, logps[row : row + n], strict=True)):
+                generated[r, : len(i)] = torch.tensor(i, dtype=call.input_ids.dtype)
+                values[r, : len(i)] = torch.tensor(lp[: len(i)])
+            call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist())
+            call.result = torch.cat([call.input_ids, generated.to(call.input_ids.device)], dim=1)
+            row += n
+        self.calls += len(calls)
+        self.batches += 1
+        return True
 
     def _run_alone(self, call: _Call) -> None:
         try:

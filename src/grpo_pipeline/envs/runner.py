@@ -90,6 +90,8 @@ class EpisodeRunner:
         self._holder: Episode | None = None  # the episode holding it
         self._stuck: Episode | None = None  # an abandoned holder that made another episode time out waiting
         self.model = None
+        # the runtime's decode loop on its sampling copy, for the env's recorded calls (set by rollout/turns.py)
+        self.fast_generate = None
         self.failures = self.timeouts = 0  # training episodes, whole run
         self.eval_failures = self.eval_timeouts = 0
         self.budget = FailureBudget(self.env_name, cfg.max_failure_rate, cfg.failure_window)
@@ -150,6 +152,7 @@ class EpisodeRunner:
                 pad_token_id=getattr(self.tokenizer, "pad_token_id", None) or 0,
                 eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
                 max_wait_s=self.cfg.batch_wait_ms / 1000,
+                fast=self.fast_generate if recorders is not None else None,
             )
         in_flight = InFlight()
         sampling = self.sampling if sampling is None else sampling

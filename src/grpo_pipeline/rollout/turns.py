@@ -94,6 +94,9 @@ class Rollout:
         # score_turn after the turn where it has one, else 0.0
         self.turn_credit = turn_credit
         self.sentinel: WeightsSentinel | None = None  # set by the recipe (sentinel.enabled)
+        self._sampler = None  # the copy the last sampled rollout generated from (current until the next update)
+        if runner is not None and hasattr(runner, "fast_generate"):
+            runner.fast_generate = self.sample_for_env
         self.sentinel_metrics: dict[str, float] = {}
         self.score_turns = turn_credit and callable(getattr(env, "score_turn", None))
         self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
@@ -155,6 +158,8 @@ class Rollout:
                     model = source.of(policy) if source is not None else policy  # what generates
                     if self.sentinel is not None and sampling.get("do_sample"):
                         self.sentinel_metrics = self.sentinel.check(policy, model, trajs[0].prompt_ids, step)
+                    if sampling.get("do_sample"):
+                        self._sampler = (model, dict(sampling))
                     prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
                 caches: dict[int, RowCache] = {}  # id(trajectory) -> its KV cache after the last turn
                 for turn in range(self.max_turns):
@@ -175,6 +180,19 @@ class Rollout:
         finally:
             policy.train(was_training)
         return trajs
+
+    def sample_for_env(self, sequences: list[list[int]], max_new_tokens: int, sampling: dict, eos_ids: list[int]):
+        """An env's own recorded generate calls of this step, sampled by the decode loop on the copy this step's
+        rollout sampled from (the weights do not change before the batch is scored): (ids, log-probs) per sequence,
+        or None where that copy does not apply (no sampled rollout yet, other sampling settings or eos ids)."""
+        if self._sampler is None or set(eos_ids) != set(self.eos_ids):
+            return None
+        model, used = self._sampler
+        if any(sampling.get(k) != used.get(k) for k in ("do_sample", "temperature", "top_k", "top_p")):
+            return None
+        with torch.no_grad():
+            return generate(model, sequences, max_new_tokens, sampling, self.eos_ids, self.pad_id, None,
+                            with_logprobs=True)
 
     def _start(self, prompt, row: dict) -> Trajectory:
         text, is_chat = render_prompt(self.tokenizer, prompt, self.tools)
