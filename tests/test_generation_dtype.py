@@ -130,6 +130,9 @@ def test_the_machine_measurement_is_quick_and_real(tmp_path, monkeypatch):
     started = time.perf_counter()
     timing = machine.measure(packed=False)
     assert time.perf_counter() - started < 3 and timing["float32_ms"] > 0 and timing["bfloat16_ms"] > 0
+    started = time.perf_counter()
+    timing = machine.measure_packing()
+    assert time.perf_counter() - started < 3 and timing["plain_ms"] > 0 and timing["packed_ms"] > 0
 
 
 def test_unknown_generation_dtype_is_a_config_error(compose_cfg, tmp_path):
@@ -172,10 +175,19 @@ def test_packed_generation_follows_the_machine(compose_cfg, tmp_path, monkeypatc
     def packed_generation(cfg):
         return plan.packed_generation(cfg)[0]
 
+    from grpo_pipeline.config import machine
+
     cfg = compose_cfg(["model=tiny", f"output_dir={tmp_path}"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, also on a GPU host
     monkeypatch.setattr(merged, "can_pack", lambda: True)
-    assert packed_generation(cfg) is True  # a float32 copy on a CPU
+    monkeypatch.setenv("GRPO_PIPELINE_CACHE", str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(machine, "measure_packing", lambda: measured.append(1) or {"plain_ms": 14.0, "packed_ms": 10.0})
+    assert packed_generation(cfg) is True  # a float32 copy on a CPU where packing measured 1.4x faster (AMD EPYC)
+    assert "1.40x" in plan.packed_generation(cfg)[1] and measured == [1]  # measured once, then cached
+    monkeypatch.setenv("GRPO_PIPELINE_CACHE", str(tmp_path / "cache2"))
+    monkeypatch.setattr(machine, "measure_packing", lambda: {"plain_ms": 9.4, "packed_ms": 10.0})
+    assert packed_generation(cfg) is False  # where it measured no faster (Intel Xeon with AMX: 0.94x)
     cfg.runtime.packed_generation = False
     assert packed_generation(cfg) is False
     cfg.runtime.packed_generation = None

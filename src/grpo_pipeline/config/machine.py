@@ -9,6 +9,10 @@ slower (docs/results.md). So:
   SmolLM2-sized stack, a few rows, float32 as the runtime runs it, prepacked for oneDNN where it packs, against
   bf16), and bf16 is chosen when it is at least `MIN_SPEEDUP` faster. The result is cached per machine (CPU
   name, flags, torch version, threads) in `$GRPO_PIPELINE_CACHE` (default ~/.cache/grpo_pipeline/machine.json).
+
+`runtime.packed_generation: null` likewise: a float32 copy holds its weights prepacked for oneDNN only where a
+~0.25 s measurement (the same layers, 8 and 32 rows, packed vs plain) finds packing at least `MIN_PACK_SPEEDUP`
+faster. It was 1.40-1.45x on an AMD EPYC and 0.94-1.00x on an Intel Xeon with AMX (docs/results.md).
 """
 
 import hashlib
@@ -24,6 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 MIN_SPEEDUP = 1.15  # below this, a bf16 copy's extra refresh and behaviour-log-prob bookkeeping are not worth it
+MIN_PACK_SPEEDUP = 1.10  # below this, repacking at every refresh and a second copy of the weights are not worth it
 _SHAPE = (576, 1536, 6, 32)  # hidden, intermediate, layers, rows: SmolLM2-135M's MLP, the default run's rows
 
 
@@ -71,9 +76,54 @@ def sampling_dtype(packed: bool) -> Choice:
                          f"{' (prepacked)' if packed else ''} (bf16 needs {MIN_SPEEDUP}x; {cache_path()})")
 
 
+def packing_choice() -> tuple[bool, str]:
+    """Whether a float32 copy decodes faster with its weights prepacked for oneDNN here, and why."""
+    timing = _cached(_machine_key(True) + "|pack-vs-plain", measure_packing)
+    speedup = timing["plain_ms"] / timing["packed_ms"]
+    return speedup >= MIN_PACK_SPEEDUP, (f"null: measured on {cpu_name()}: prepacked float32 matmuls {speedup:.2f}x "
+                                         f"the speed of plain ones (packing needs {MIN_PACK_SPEEDUP}x; {cache_path()})")
+
+
+def measure_packing(budget_s: float = 0.12) -> dict:
+    """Time a decode step's linear layers in float32, plain and prepacked, at 8 and at 32 rows, interleaved."""
+    from grpo_pipeline.rollout.policy_copy import PackedLinear
+
+    hidden, inter, layers, _ = _SHAPE
+    gen = torch.Generator().manual_seed(0)
+    plain = [torch.nn.Linear(i, o, bias=False) for _ in range(layers) for o, i in ((inter, hidden), (hidden, inter))]
+    with torch.no_grad():
+        for layer in plain:
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.02)
+    packed = [PackedLinear(layer) for layer in plain]
+    total = {"plain": 0.0, "packed": 0.0}
+    with torch.no_grad():
+        for rows in (8, 32):
+            small, large = torch.randn(rows, hidden, generator=gen), torch.randn(rows, inter, generator=gen)
+            best = {"plain": float("inf"), "packed": float("inf")}
+            for stack in (plain, packed):  # warm-up: oneDNN's kernel selection
+                for i, layer in enumerate(stack):
+                    layer(small if i % 2 == 0 else large)
+            for _ in range(3):
+                for name, stack in (("plain", plain), ("packed", packed)):
+                    started, n = time.perf_counter(), 0
+                    while n < 2 or time.perf_counter() - started < budget_s / 6:
+                        for i, layer in enumerate(stack):
+                            layer(small if i % 2 == 0 else large)
+                        n += 1
+                    best[name] = min(best[name], (time.perf_counter() - started) / n * 1000)
+            for name in total:
+                total[name] += best[name]
+    return {"plain_ms": round(total["plain"], 3), "packed_ms": round(total["packed"], 3),
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_name(), "threads": torch.get_num_threads()}
+
+
 def bf16_timing(packed: bool) -> dict:
     """{float32_ms, bfloat16_ms}: one decode-like pass, cached per machine."""
-    key = _machine_key(packed)
+    return _cached(_machine_key(packed), lambda: measure(packed))
+
+
+def _cached(key: str, measure_now) -> dict:
+    """The measurement stored under `key` in the machine's cache, measured (and stored) on first use."""
     path = cache_path()
     try:
         cached = json.loads(path.read_text()).get(key)
@@ -81,7 +131,7 @@ def bf16_timing(packed: bool) -> dict:
         cached = None
     if cached:
         return cached
-    timing = measure(packed)
+    timing = measure_now()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:

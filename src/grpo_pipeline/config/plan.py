@@ -252,14 +252,17 @@ def generation_dtype(cfg, multi_turn: bool = False, gpu: bool | None = None,
 
 
 def packed_generation(cfg, gpu: bool | None = None) -> tuple[bool, str]:
-    """runtime.packed_generation resolved, and why: null packs where the copies run float32 on a CPU with oneDNN."""
+    """runtime.packed_generation resolved, and why: null packs where the copies run float32 on a CPU with oneDNN
+    and packing measures faster there (config/machine.py)."""
+    from grpo_pipeline.config import machine
     from grpo_pipeline.rollout.policy_copy import can_pack
 
     cpu = not (_gpu(cfg) if gpu is None else gpu)
     possible = cpu and cfg.model.dtype == "float32" and can_pack()
     if cfg.runtime.packed_generation is None:
-        return possible, ("null: float32 linear weights held prepacked for oneDNN's CPU matmul" if possible else
-                          "null: prepacking is oneDNN's float32 CPU matmul, not this run's")
+        if not possible:
+            return False, "null: prepacking is oneDNN's float32 CPU matmul, not this run's"
+        return machine.packing_choice()
     if cfg.runtime.packed_generation and not possible:
         why = ("generates on a GPU" if not cpu else "has no oneDNN in its torch" if not can_pack()
                else f"runs model.dtype={cfg.model.dtype} (packed here: float32 only)")
