@@ -142,6 +142,7 @@ class Rollout:
         """Episodes for `prompts` (rows: their dataset columns). `turn_tokens` caps each assistant turn below
         the rollout's own limit (e.g. eval.max_new_tokens). A sampled rollout first checks that the copy it samples
         from holds the policy's weights (`sentinel`, rollout/sentinel.py; its metrics in `sentinel_metrics`)."""
+        self.sentinel_metrics = {}
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
         policy, was_training = model, model.training
@@ -234,25 +235,34 @@ class Rollout:
             for t in live:
                 t.turn_scores.append(0.0)
             return
-        calls = [lambda t=t: _as_turn_score(self.env.score_turn(_conversation(t), **t.row), self.env) for t in live]
-        outcomes = self.runner.call_env(calls, "score_turn", [t.row for t in live], [t.text for t in live])
-        for t, (score, failure, seconds) in zip(live, outcomes, strict=True):
+
+        def score(t: Trajectory) -> float:
+            return _as_turn_score(self.env.score_turn(_conversation(t), **t.row), self.env)
+
+        for t, value in self._call_env(live, "score_turn", score):
+            t.turn_scores.append(value)
+
+    def _call_env(self, live: list[Trajectory], method: str, call: Callable[[Trajectory], Any]) -> list[tuple]:
+        """`call(t)` for each live episode, concurrently under the runtime's rules (runner.call_env); an episode
+        whose call fails (or times out) is failed and done. Returns (episode, value) for the others."""
+        outcomes = self.runner.call_env([lambda t=t: call(t) for t in live], method, [t.row for t in live],
+                                        [t.text for t in live])
+        done = []
+        for t, (value, failure, seconds) in zip(live, outcomes, strict=True):
             t.seconds += seconds
             if failure is not None:
                 t.failure, t.done = failure, True
             else:
-                t.turn_scores.append(score)
+                done.append((t, value))
+        return done
 
     def _env_turn(self, live: list[Trajectory]) -> None:
         """The env's reply to each live episode, concurrently; an episode whose reply is None is done."""
         # a reply of the wrong type fails its episode (counted under the failure budget), like an exception
-        calls = [lambda t=t: _as_message(self.env.respond(_conversation(t), **t.row), self.env) for t in live]
-        outcomes = self.runner.call_env(calls, "respond", [t.row for t in live], [t.text for t in live])
-        for t, (reply, failure, seconds) in zip(live, outcomes, strict=True):
-            t.seconds += seconds
-            if failure is not None:
-                t.failure, t.done = failure, True
-                continue
+        def respond(t: Trajectory) -> dict | None:
+            return _as_message(self.env.respond(_conversation(t), **t.row), self.env)
+
+        for t, reply in self._call_env(live, "respond", respond):
             if reply is None:
                 t.done = True
                 continue

@@ -176,7 +176,6 @@ class PipelineTrainer(GRPOTrainer):
             # tag each row with its episode: dynamic sampling selects and reorders rows, the tag goes with them
             out["turn_episode"] = torch.arange(len(self._turns), len(self._turns) + n, device=out["advantages"].device)
             self._turns += turns
-            self._sampled_turns = [{"sampled": len(t)} for t in turns]  # for the ledger
             self._turns_skipped += last.get("turn_samples_skipped", 0)
         if self.behaviour_logps and "sampling_per_token_logps" in out:
             # the samples came from the runtime's bf16 (or other dtype) copy: PPO's ratio is the policy's probability
@@ -189,8 +188,8 @@ class PipelineTrainer(GRPOTrainer):
             logs["turns"] = [{"score": row.get("turn_scores"),
                               "advantage": [round(a[s].item(), 4) for s, _ in turn_segments(m.tolist())]}
                              for row, a, m in zip(inputs, out["turn_advantages"], out["tool_mask"], strict=True)]
-        elif "turn_episode" in out:
-            logs["turns"] = self._sampled_turns
+        elif "turn_episode" in out:  # the ledger: how many turns the env sampled itself in each episode
+            logs["turns"] = [{"sampled": len(t)} for t in turns]
         return out, logs
 
     def _turn_advantages(self, out: dict, inputs: list[dict], logs: dict) -> torch.Tensor:
@@ -393,7 +392,6 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
     def run(prompts: list, trainer: PipelineTrainer) -> dict:
         rows = [{k: x[k] for k in extra_columns} for x in trainer.current_rows]
         policy = trainer.accelerator.unwrap_model(trainer.model)
-        rollout.sentinel_metrics = {}
         trajs = rollout.run(policy, prompts, rows, sampling, step=trainer.state.global_step + 1)
         for key, value in rollout.sentinel_metrics.items():  # the sampler checked against the policy
             trainer._metrics["train"][key].append(value)
