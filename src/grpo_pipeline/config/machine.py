@@ -96,23 +96,12 @@ def measure_packing(budget_s: float = 0.12) -> dict:
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) * 0.02)
     packed = [PackedLinear(layer) for layer in plain]
     total = {"plain": 0.0, "packed": 0.0}
-    with torch.no_grad():
-        for rows in (8, 32):
-            small, large = torch.randn(rows, hidden, generator=gen), torch.randn(rows, inter, generator=gen)
-            best = {"plain": float("inf"), "packed": float("inf")}
-            for stack in (plain, packed):  # warm-up: oneDNN's kernel selection
-                for i, layer in enumerate(stack):
-                    layer(small if i % 2 == 0 else large)
-            for _ in range(3):
-                for name, stack in (("plain", plain), ("packed", packed)):
-                    started, n = time.perf_counter(), 0
-                    while n < 2 or time.perf_counter() - started < budget_s / 6:
-                        for i, layer in enumerate(stack):
-                            layer(small if i % 2 == 0 else large)
-                        n += 1
-                    best[name] = min(best[name], (time.perf_counter() - started) / n * 1000)
-            for name in total:
-                total[name] += best[name]
+    for rows in (8, 32):
+        small, large = torch.randn(rows, hidden, generator=gen), torch.randn(rows, inter, generator=gen)
+        best = _best_ms({name: lambda stack=stack, x=(small, large): _stack_pass(stack, *x)
+                         for name, stack in (("plain", plain), ("packed", packed))}, budget_s / 6)
+        for name in total:
+            total[name] += best[name]
     return {"plain_ms": round(total["plain"], 3), "packed_ms": round(total["packed"], 3),
             "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_name(), "threads": torch.get_num_threads()}
 
@@ -167,25 +156,33 @@ def measure(packed: bool, budget_s: float = 0.12) -> dict:
     inputs = {dtype: (torch.randn(rows, hidden, generator=gen).to(dtype), torch.randn(rows, inter, generator=gen).to(dtype))
               for dtype in (torch.float32, torch.bfloat16)}
 
-    def one_pass(stack, dtype):
-        small, large = inputs[dtype]
-        for i, layer in enumerate(stack):
-            layer(small if i % 2 == 0 else large)
-
-    best = {"float32": float("inf"), "bfloat16": float("inf")}
-    with torch.no_grad():
-        for stack, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
-            one_pass(stack, dtype)  # warm-up: oneDNN's kernel selection
-        for _ in range(3):  # interleaved rounds, the best of each: another process's burst hits both alike
-            for stack, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16)):
-                started, n = time.perf_counter(), 0
-                while n < 2 or time.perf_counter() - started < budget_s / 3:
-                    one_pass(stack, dtype)
-                    n += 1
-                name = str(dtype).removeprefix("torch.")
-                best[name] = min(best[name], (time.perf_counter() - started) / n * 1000)
+    best = _best_ms({str(dtype).removeprefix("torch."): lambda stack=stack, x=inputs[dtype]: _stack_pass(stack, *x)
+                     for stack, dtype in ((fp32, torch.float32), (bf16, torch.bfloat16))}, budget_s / 3)
     return {"float32_ms": round(best["float32"], 3), "bfloat16_ms": round(best["bfloat16"], 3),
             "measured": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_name(), "threads": torch.get_num_threads()}
+
+
+def _stack_pass(stack, small: torch.Tensor, large: torch.Tensor) -> None:
+    """One decode-like pass over a stack of up/down projections (inputs alternate between their two widths)."""
+    for i, layer in enumerate(stack):
+        layer(small if i % 2 == 0 else large)
+
+
+def _best_ms(passes: dict, slot_s: float) -> dict[str, float]:
+    """Milliseconds a pass of each of `passes` takes: after a warm-up (oneDNN's kernel selection), three
+    interleaved rounds of `slot_s` each, the best of each (another process's burst hits all of them alike)."""
+    best = dict.fromkeys(passes, float("inf"))
+    with torch.no_grad():
+        for run in passes.values():
+            run()
+        for _ in range(3):
+            for name, run in passes.items():
+                started, n = time.perf_counter(), 0
+                while n < 2 or time.perf_counter() - started < slot_s:
+                    run()
+                    n += 1
+                best[name] = min(best[name], (time.perf_counter() - started) / n * 1000)
+    return best
 
 
 def _machine_key(packed: bool) -> str:

@@ -176,9 +176,8 @@ class GenerateBatcher:
                 try:
                     if self._run_fast(calls):
                         return
-                except Exception:  # the decode loop could not run them: generate does
-                    for call in calls:
-                        call.result = None
+                except Exception:  # the decode loop could not run them (nothing was recorded): generate does
+                    pass
 
             if len(calls) == 1:
                 self._run_alone(calls[0])
@@ -249,8 +248,8 @@ class GenerateBatcher:
         if result is None:
             return False
         ids, logps = result
-        row = 0
-        for call in calls:
+        laid_out, row = [], 0
+        for call in calls:  # every call laid out first: a failure here records nothing, and generate runs them
             n = call.input_ids.size(0)
             mine = [i[: call.limit] for i in ids[row : row + n]]
             width = max(1, max(len(i) for i in mine))
@@ -261,9 +260,11 @@ class GenerateBatcher:
             for r, (i, lp) in enumerate(zip(mine, logps[row : row + n], strict=True)):
                 generated[r, : len(i)] = torch.tensor(i, dtype=call.input_ids.dtype)
                 values[r, : len(i)] = torch.tensor(lp[: len(i)])
+            laid_out.append((generated, values))
+            row += n
+        for call, (generated, values) in zip(calls, laid_out, strict=True):
             call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist())
             call.result = torch.cat([call.input_ids, generated.to(call.input_ids.device)], dim=1)
-            row += n
         self.calls += len(calls)
         self.batches += 1
         return True
