@@ -12,7 +12,9 @@ slower (docs/results.md). So:
 
 `runtime.packed_generation: null` likewise: a float32 copy holds its weights prepacked for oneDNN only where a
 ~0.25 s measurement (the same layers, 8 and 32 rows, packed vs plain) finds packing at least `MIN_PACK_SPEEDUP`
-faster. It was 1.40-1.45x on an AMD EPYC and 0.94-1.00x on an Intel Xeon with AMX (docs/results.md).
+faster. Whole rollouts gained 1.37-1.47x from packing on an AMD EPYC and 0.94-1.00x on an Intel Xeon with AMX, whose
+layers alone still measure 1.22-1.34x faster packed: this measures the layers, not a whole decode step
+(docs/results.md).
 """
 
 import hashlib
