@@ -9,28 +9,31 @@ stopped at (or "never"), with the highest flat share over any window the rule lo
 """
 
 import argparse
-import math
 import os
 
 import harness
 
 from grpo_pipeline.config.schema import NoSignalConfig
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
-from grpo_pipeline.training.callbacks import no_signal_diagnosis
+from grpo_pipeline.training.callbacks import NoSignalGuard, StopControl
 
 
 def replay(flat: list[float], reward: list[float], entropy: list[float], groups_per_step: int, cfg) -> tuple:
-    """(step it stops at or None, its diagnosis, the highest window flat share seen)."""
-    window = max(cfg.patience, math.ceil(cfg.min_groups / max(groups_per_step, 1)))
-    steps, worst = [], 0.0
+    """(step it stops at or None, its diagnosis, the highest window flat share seen): the run's logs fed to the
+    training callback itself, step by step."""
+    from transformers import TrainerControl, TrainerState
+
+    guard = NoSignalGuard(StopControl(), cfg.flat_share, cfg.patience, cfg.min_groups, cfg.min_entropy, groups_per_step)
+    state, worst = TrainerState(), 0.0
     for i, f in enumerate(flat):
-        steps = [*steps, (f, reward[i] if i < len(reward) else None, entropy[i] if i < len(entropy) else None)]
-        steps = steps[-window:]
-        if len(steps) >= cfg.patience:
-            worst = max(worst, sum(s[0] for s in steps) / len(steps))
-        said = no_signal_diagnosis(steps, cfg.flat_share, cfg.patience, cfg.min_entropy, i + 1)
-        if said:
-            return i + 1, said, worst
+        state.global_step = i + 1
+        logs = {"frac_reward_zero_std": f, "reward": reward[i] if i < len(reward) else None,
+                "entropy": entropy[i] if i < len(entropy) else None}
+        guard.on_log(None, state, TrainerControl(), logs)
+        if len(guard.steps) >= cfg.patience:
+            worst = max(worst, sum(s[0] for s in guard.steps) / len(guard.steps))
+        if guard.diagnosis:
+            return i + 1, guard.diagnosis, worst
     return None, None, worst
 
 
