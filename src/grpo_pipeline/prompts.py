@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 from datasets import Dataset
 
@@ -30,6 +31,27 @@ def tools_preamble(tools: list[dict]) -> str:
             "\n\nFor each function call, return a json object with function name and arguments within "
             '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
             "<args-json-object>}\n</tool_call>")
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[dict] | None:
+    """The tool calls an assistant turn wrote in the Hermes / Qwen2.5 format (`<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>`, what `tools_preamble` asks for), parsed with json, never executed as code.
+    Arguments written as a JSON string are decoded. None when a <tool_call> block is malformed."""
+    calls = []
+    for raw in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(raw)
+            if isinstance(call, dict) and isinstance(call.get("arguments"), str):
+                call["arguments"] = json.loads(call["arguments"])
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
+            return None
+        calls.append(call)
+    return calls
 
 
 def place_tools(dataset: Dataset, tokenizer, tools: list[dict], env_name: str, described: bool = False) -> Dataset:
@@ -87,17 +109,18 @@ def _with_prompts(dataset: Dataset, prompts: list) -> Dataset:
 _PLACEHOLDER = "\ue000"  # a private-use character: stands for the assistant turn the model already sampled
 
 
-def env_turn_text(tokenizer, conversation: list[dict], reply: dict, tools: list[dict] | None,
+def env_turn_text(tokenizer, conversation: list[dict], reply: dict | list[dict], tools: list[dict] | None,
                   ended_with_eos: bool) -> str:
     """The text that follows an assistant turn's sampled tokens: the rest of that turn's closing (what the
-    template writes after the content, less the eos the model sampled), the env's reply, and the header
-    of the next assistant turn. `conversation` ends with the assistant turn just sampled; its text is never
+    template writes after the content, less the eos the model sampled), the env's reply (one message, or
+    several: one tool result per call), and the header of the next assistant turn. `conversation` ends with the assistant turn just sampled; its text is never
     re-encoded (a placeholder stands for it), so the sampled tokens stay exactly as they were."""
     if not isinstance(conversation[0], dict) or conversation[0].get("role") is None:
         raise TypeError("env_turn_text needs chat messages")
     history = conversation[:-1] + [{"role": "assistant", "content": _PLACEHOLDER}]
     before = tokenizer.apply_chat_template(history, tools=tools or None, tokenize=False)
-    after = tokenizer.apply_chat_template(history + [reply], tools=tools or None, add_generation_prompt=True,
+    replies = reply if isinstance(reply, list) else [reply]
+    after = tokenizer.apply_chat_template(history + replies, tools=tools or None, add_generation_prompt=True,
                                           tokenize=False)
     if not after.startswith(before) or _PLACEHOLDER not in before:
         raise ValueError("The chat template renders a conversation differently once a message is added, so the "

@@ -31,6 +31,9 @@ from grpo_pipeline.envs.loader import (
     importable_from,
     load_env,
 )
+from grpo_pipeline.envs.loader import (
+    env_name as name_of,
+)
 from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.errors import ConfigError
 from grpo_pipeline.evaluation.heldout import Split, evaluate, paired_gain, split_heldout
@@ -145,7 +148,7 @@ def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str]
         raise ConfigError(f"resume={cfg.resume}: none of the run's checkpoints "
                           f"({', '.join(p.name for p in checkpoints)}) loads (see the warnings above).")
     env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
-    env_name = type(env).__qualname__
+    env_name = name_of(env)
     split = _split(cfg, env, dataset)
     plan = make_plan(cfg, env, tokenizer, split, tool_functions, env_name)  # every choice, once (config/plan.py)
     if is_main:
@@ -336,14 +339,15 @@ def plan_only(cfg: DictConfig, launch_dir: str | None = None, env: Any = None):
     are built, no weights load, nothing is written."""
     check_config(cfg)
     env, tokenizer, dataset, tool_functions = load_env_and_dataset(cfg, env, launch_dir, render_tools=False)
-    return make_plan(cfg, env, tokenizer, _split(cfg, env, dataset), tool_functions, type(env).__qualname__)
+    return make_plan(cfg, env, tokenizer, _split(cfg, env, dataset), tool_functions, name_of(env))
 
 
 def _split(cfg, env, dataset) -> Split:
     """Training, test and validation prompts (held out only with eval.enabled)."""
     if not cfg.eval.enabled:
         return Split(dataset, None, None)
-    return split_heldout(dataset, cfg.eval, type(env).__qualname__, _as_list(getattr(env, "heldout_group_by", None)))
+    return split_heldout(dataset, cfg.eval, name_of(env), _as_list(getattr(env, "heldout_group_by", None)),
+                         by_prompt=getattr(env, "prompt_is_task", True))
 
 
 def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | None = None,
@@ -355,10 +359,10 @@ def load_env_and_dataset(cfg: DictConfig, env: Any = None, launch_dir: str | Non
     tool_functions = get_tool_functions(env, tokenizer)
     dataset = build_env_dataset(env, tokenizer)
     if not tool_functions:  # the schemas of get_tools(): the template's, or a preamble in every prompt (prompts.py)
-        dataset = place_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__,
+        dataset = place_tools(dataset, tokenizer, get_tool_schemas(env), name_of(env),
                               described=bool(getattr(env, "describes_tools", False)))
     if render_tools and not tool_functions:  # with tool functions TRL renders the prompts with their schemas
-        dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), type(env).__qualname__)
+        dataset = attach_tools(dataset, tokenizer, get_tool_schemas(env), name_of(env))
     return env, tokenizer, dataset, tool_functions
 
 

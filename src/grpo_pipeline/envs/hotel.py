@@ -16,13 +16,13 @@ a 30-minute normal-difficulty run collapsed into booking the example's POR-101 f
 
 import json
 import random
-import re
 
 from datasets import Dataset
 
+from grpo_pipeline.prompts import parse_tool_calls
+
 CITIES = ["Lisbon", "Porto", "Madrid", "Paris"]
 FEATURES = ["sea view", "breakfast", "balcony", "quiet"]
-_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 _DIFFICULTY_FEATURES = {"easy": 0, "normal": 1, "hard": 2}
 
 SYSTEM = (
@@ -39,20 +39,6 @@ def format_rooms(rooms: list[dict]) -> str:
     """Search results as the model reads them: one short line per room (a JSON dump costs ~45 tokens a room)."""
     return "\n".join(f"{r['room_id']}: {r['capacity']} guests, {r['price']} EUR, "
                      f"{', '.join(r['features']) or 'no extras'}" for r in rooms)
-
-
-def parse_tool_calls(text: str) -> list[dict] | None:
-    """The tool calls in an assistant turn; None when a <tool_call> block is malformed."""
-    calls = []
-    for raw in _CALL.findall(text):
-        try:
-            call = json.loads(raw)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
-            return None
-        calls.append(call)
-    return calls
 
 
 class HotelEnv:

@@ -39,7 +39,7 @@ REQUIRED_METHODS = ("build_dataset", "score_episode")
 # score_episode's own arguments, TRL's reward-function arguments and the runtime's columns.
 RESERVED_COLUMNS = ("model", "tokenizer", "completion", "completions", "completion_ids", "prompts", "prompt_ids",
                     "trainer_state", "log_metric", "log_extra", "environments", "transcript", "episode_failure",
-                    "env_mask", "logprobs", "self")
+                    "env_mask", "logprobs", "turn_scores", "opening", "self")
 _HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 # Top-level modules imported from a launch directory -> that directory (see importable_from).
 _IMPORTED_FROM: dict[str, str] = {}
@@ -89,6 +89,11 @@ def _lies_directly_in(module: Any, directory: str) -> bool:
     else:
         return False
     return any(os.path.dirname(os.path.realpath(p)) == directory for p in paths)
+
+
+def env_name(env: Any) -> str:
+    """How messages name the env: its class, or what a wrapper says it wraps (`display_name`, envs/trl_env.py)."""
+    return getattr(env, "display_name", None) or type(env).__qualname__
 
 
 def resolve_env_class(target: Any) -> type:
@@ -279,7 +284,7 @@ def _short(value: Any) -> str:
 
 
 def build_env_dataset(env: Any, tokenizer) -> Dataset:
-    name = type(env).__qualname__
+    name = env_name(env)
     try:
         dataset = env.build_dataset(tokenizer)
     except Exception as e:
@@ -332,7 +337,7 @@ def get_tool_schemas(env: Any) -> list[dict]:
         fn = tool.get("function", tool) if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or "name" not in fn:
             raise ConfigError(
-                f"{type(env).__qualname__}.get_tools()[{i}] is not an OpenAI function schema "
+                f"{env_name(env)}.get_tools()[{i}] is not an OpenAI function schema "
                 "({'type': 'function', 'function': {'name': ..., 'description': ..., 'parameters': {...}}})."
             )
     return tools
@@ -345,7 +350,7 @@ def get_tool_functions(env: Any, tokenizer) -> list:
     if get_functions is None:
         return []
     functions = list(get_functions() or [])
-    name = type(env).__qualname__
+    name = env_name(env)
     for i, fn in enumerate(functions):
         if not callable(fn) or not getattr(fn, "__doc__", None):
             raise ConfigError(f"{name}.get_tool_functions()[{i}] must be a callable with type hints and a "

@@ -31,6 +31,7 @@ from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.envs.batching import GenerateBatcher
 from grpo_pipeline.envs.bounded import Episode, run_bounded
 from grpo_pipeline.envs.failures import FailureBudget
+from grpo_pipeline.envs.loader import env_name
 from grpo_pipeline.envs.policy import EpisodeAbandoned, InFlight, PolicyHandle
 from grpo_pipeline.envs.recorder import CallRecorder
 from grpo_pipeline.envs.shared_tokenizer import shared
@@ -78,7 +79,7 @@ class EpisodeRunner:
         """`sampling`: generate settings for the env's turns in training (e.g. {"do_sample": True,
         "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them."""
         self.env = env
-        self.env_name = type(env).__qualname__
+        self.env_name = env_name(env)
         self.tokenizer = shared(tokenizer)  # env threads share it: one call at a time (shared_tokenizer.py)
         self.cfg = cfg
         self.extra_columns = list(extra_columns)
@@ -128,8 +129,9 @@ class EpisodeRunner:
             if log_extra is not None:  # for the episode ledger (TRL gathers these across processes)
                 log_extra("seconds", self.last_batch["seconds"])
                 log_extra("failure", self.last_batch["failures"])
-                if "transcript" in columns:
-                    log_extra("transcript", episodes)
+                for key in ("transcript", "opening"):
+                    if key in columns:
+                        log_extra(key, columns[key] if key == "opening" else episodes)
             reward.failed = (completions, list(failed))  # the batch (TRL hands every reward the same list)
             return [None if f else s for s, f in zip(scores, failed, strict=True)]
 

@@ -3,7 +3,9 @@ the env runtime exactly as in training: by the env's score (eval.reward=env), or
 sums (eval.reward=total: rewards/total.py). Reports mean reward and success rate (share of full scores).
 
 The split is by unique prompt, not by row: rows with the same prompt (or, when the env names columns in
-`heldout_group_by`, the same value there) stay on one side, so no held-out prompt is ever trained on.
+`heldout_group_by`, the same value there) stay on one side, so no held-out prompt is ever trained on. An env
+whose prompts do not name the task (`prompt_is_task = False`: a TRL env whose reset() writes it into an empty
+prompt) is split by its `heldout_group_by` columns alone.
 """
 
 import contextlib
@@ -33,8 +35,9 @@ class Split:
     val: Dataset | None  # scored during training; picks the best model
 
 
-def prompt_groups(dataset: Dataset, group_by: list[str]) -> list[list[int]]:
-    """Row indices grouped so that rows sharing a prompt, or a value of a `group_by` column, are together."""
+def prompt_groups(dataset: Dataset, group_by: list[str], by_prompt: bool = True) -> list[list[int]]:
+    """Row indices grouped so that rows sharing a prompt (with `by_prompt`), or a value of a `group_by` column,
+    are together."""
     parent = list(range(len(dataset)))
 
     def find(i):
@@ -44,7 +47,7 @@ def prompt_groups(dataset: Dataset, group_by: list[str]) -> list[list[int]]:
         return i
 
     first: dict = {}
-    for column in ["prompt", *group_by]:
+    for column in ["prompt"] * by_prompt + group_by:
         for i, value in enumerate(dataset[column]):
             key = (column, json.dumps(value, sort_keys=True, default=str))
             if key in first:
@@ -64,13 +67,14 @@ def _size(asked: int | None, groups: int, cap: int) -> int:
     return n if n >= MIN_SET else 0
 
 
-def split_heldout(dataset: Dataset, cfg: EvalConfig, env_name: str, group_by: list[str] | None = None) -> Split:
+def split_heldout(dataset: Dataset, cfg: EvalConfig, env_name: str, group_by: list[str] | None = None,
+                  by_prompt: bool = True) -> Split:
     """Test / validation / training sets of unique prompts (seed `cfg.split_seed`)."""
     for column in group_by or []:
         if column not in dataset.column_names:
             raise ConfigError(f"{env_name}.heldout_group_by names column {column!r}, which its dataset lacks "
                               f"(columns: {dataset.column_names}).")
-    groups = prompt_groups(dataset, group_by or [])
+    groups = prompt_groups(dataset, group_by or [], by_prompt)
     n_test = _size(cfg.num_prompts, len(groups), AUTO_MAX_TEST)
     # an explicit val_prompts is held out even without validation, so both runs train on the same prompts
     n_val = _size(cfg.val_prompts, len(groups), AUTO_MAX_VAL) if cfg.every_steps > 0 or cfg.val_prompts else 0
@@ -143,6 +147,8 @@ def evaluate(model, tokenizer, runner: EpisodeRunner, dataset: Dataset, max_new_
             completions = episodes = [t.text for t in trajs]
             if rollout.multi_turn:  # score_episode gets the whole episode's messages
                 episodes, pre_failures = [t.messages for t in trajs], [t.failure for t in trajs]
+            if rollout.stateful:  # each episode's own opening (a TRL env's reset() text appended), for the ledger
+                prompts = [t.prompt for t in trajs]
         scores, metrics = runner.score(episodes, rows, evaluation=True, pre_failures=pre_failures)
         batch = runner.last_batch
         parts, totals, full = {"env": scores}, None, 1.0

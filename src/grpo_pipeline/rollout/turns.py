@@ -14,6 +14,11 @@ tokens the model sampled, 0 on the env's) and `logprobs` (of the sampled tokens)
 exactly the tokens sampled: an assistant turn is never decoded and re-encoded; only the env's turns are
 tokenized, once, and the next turn is generated from those very ids.
 
+A stateful env (one with `start_episode(prompt, **row) -> (prompt, session)`, e.g. a TRL environment_factory env
+through envs/trl_env.py) gets a session per episode before its first turn: the session may extend the opening (TRL
+appends reset()'s observation), answers the episode's turns (`session.respond(messages)`) and rides along with the
+episode's transcript (`Transcript.session`) to score_episode, which asks it for the score.
+
 A shared-prefix KV cache (`SharedPrefix`) spares the prefill of what every episode's context starts
 with (the system prompt, a worked example): it is computed once per batch and used by the first turn. Each
 episode's KV cache is kept from one turn to the next (`RowCache`): turn k+1 feeds only the tokens that turn k
@@ -40,6 +45,16 @@ from grpo_pipeline.rollout.vllm_engine import VllmBackend
 log = logging.getLogger(__name__)
 
 
+class Transcript(list):
+    """An episode's messages after the opening. A stateful env's episode carries its session along, so that
+    score_episode can score it (envs/trl_env.py); pickled, saved or gathered, it is a plain list."""
+
+    session: Any = None
+
+    def __reduce__(self):
+        return list, (list(self),)
+
+
 @dataclass
 class Trajectory:
     prompt: Any  # the opening: a string or chat messages
@@ -48,7 +63,7 @@ class Trajectory:
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)  # the episode after the opening: assistant and env turns
+    messages: Transcript = field(default_factory=Transcript)  # the episode after the opening: assistant and env turns
     turns: int = 0  # assistant turns
     env_tokens: int = 0
     cut: bool = False  # stopped by the token budget
@@ -109,6 +124,7 @@ class Rollout:
         self.sampler = MergedCopy(sampling_dtype, pack=packed) if sampling_dtype is not None else self.merged
         self._vllm_factory, self.vllm = vllm, None  # vllm: a VllmBackend factory (vllm=colocate), started lazily
         self.multi_turn = callable(getattr(env, "respond", None))
+        self.stateful = callable(getattr(env, "start_episode", None))  # a session per episode (see the docstring)
         self.max_turns, self.turn_tokens, self.max_episode_tokens = max_turns, turn_tokens, max_episode_tokens
         self.tools = tools
         self.reuse_cache = reuse_cache  # keep each episode's KV cache between turns (False: prefill every turn)
@@ -145,6 +161,8 @@ class Rollout:
         self.sentinel_metrics = {}
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
+        if self.stateful:
+            self._start_sessions(trajs)
         policy, was_training = model, model.training
         policy.eval()
         try:
@@ -199,6 +217,15 @@ class Rollout:
         text, is_chat = render_prompt(self.tokenizer, prompt, self.tools)
         ids = self.tokenizer(text, add_special_tokens=not is_chat)["input_ids"]
         return Trajectory(prompt=prompt, row=row, prompt_ids=list(ids))
+
+    def _start_sessions(self, trajs: list[Trajectory]) -> None:
+        """Each episode's session (`env.start_episode`, concurrently under the runtime's rules: a failure fails that
+        episode only); an opening the session extended is rendered again."""
+        start = self._call_env(trajs, "start_episode", lambda t: self.env.start_episode(t.prompt, **t.row))
+        for t, (opening, session) in start:
+            t.messages.session = session
+            if opening is not t.prompt:
+                t.prompt, t.prompt_ids = opening, self._start(opening, t.row).prompt_ids
 
     def _assistant_turn(self, model, live: list[Trajectory], sampling: dict, prefix: "SharedPrefix",
                         turn_tokens: int, caches: dict[int, RowCache] | None = None, keep: bool = False) -> None:
@@ -259,15 +286,17 @@ class Rollout:
     def _env_turn(self, live: list[Trajectory]) -> None:
         """The env's reply to each live episode, concurrently; an episode whose reply is None is done."""
         # a reply of the wrong type fails its episode (counted under the failure budget), like an exception
-        def respond(t: Trajectory) -> dict | None:
-            return _as_message(self.env.respond(_conversation(t), **t.row), self.env)
+        def respond(t: Trajectory) -> list[dict] | None:
+            session = t.messages.session
+            reply = session.respond(_conversation(t)) if session is not None else self.env.respond(_conversation(t),
+                                                                                                   **t.row)
+            return _as_messages(reply, self.env)
 
-        for t, reply in self._call_env(live, "respond", respond):
-            if reply is None:
+        for t, replies in self._call_env(live, "respond", respond):
+            if replies is None:
                 t.done = True
                 continue
-            message = reply
-            text = env_turn_text(self.tokenizer, _conversation(t), message, self.tools,
+            text = env_turn_text(self.tokenizer, _conversation(t), replies, self.tools,
                                  ended_with_eos=bool(t.completion_ids) and t.completion_ids[-1] in self.eos_ids)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(t.completion_ids) + len(ids) >= self.max_episode_tokens:
@@ -277,7 +306,7 @@ class Rollout:
             t.env_mask += [0] * len(ids)
             t.logprobs += [0.0] * len(ids)
             t.env_tokens += len(ids)
-            t.messages.append(message)
+            t.messages.extend(replies)
 
 
 def _check_template(rollout: "Rollout", prompt, model_name: str) -> None:
@@ -295,15 +324,19 @@ def _conversation(t: Trajectory) -> list[dict]:
     return list(opening) + t.messages
 
 
-def _as_message(reply, env) -> dict | None:
+def _as_messages(reply, env) -> list[dict] | None:
+    """The env's reply as a list of messages (several: e.g. one tool result per call), or None (done)."""
     if reply is None:
         return None
     if isinstance(reply, str):
-        return {"role": "user", "content": reply}
-    if isinstance(reply, dict) and isinstance(reply.get("content"), str) and reply.get("role") in ("user", "tool"):
-        return dict(reply)
+        return [{"role": "user", "content": reply}]
+    replies = reply if isinstance(reply, list) and reply else [reply]
+    if all(isinstance(r, dict) and isinstance(r.get("content"), str) and r.get("role") in ("user", "tool")
+           for r in replies):
+        return [dict(r) for r in replies]
     raise TypeError(f"{type(env).__qualname__}.respond returned {reply!r}: return the env's reply as a string (a user "
-                    "turn), a message {'role': 'user' | 'tool', 'content': str}, or None when the episode is over.")
+                    "turn), a message {'role': 'user' | 'tool', 'content': str} or a non-empty list of them (e.g. one "
+                    "tool result per call), or None when the episode is over.")
 
 
 def _as_turn_score(value, env) -> float:

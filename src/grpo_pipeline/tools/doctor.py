@@ -58,7 +58,7 @@ def run_check(cfg: DictConfig) -> Report:
 
     from grpo_pipeline.config.plan import make_plan
     from grpo_pipeline.config.validate import check_config
-    from grpo_pipeline.envs.loader import get_tool_schemas
+    from grpo_pipeline.envs.loader import env_name, get_tool_schemas
     from grpo_pipeline.envs.recorder import CallRecorder
     from grpo_pipeline.envs.runner import EpisodeRunner, score_problem
     from grpo_pipeline.evaluation.heldout import Split, generate
@@ -69,7 +69,7 @@ def run_check(cfg: DictConfig) -> Report:
 
     check_config(cfg)
     env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
-    name = type(env).__qualname__
+    name = env_name(env)
     tools = get_tool_schemas(env)
     extra = [c for c in dataset.column_names if c != "prompt"]
     r = Report()
@@ -117,7 +117,8 @@ def run_check(cfg: DictConfig) -> Report:
                    f"in {time.monotonic() - started:.1f}s")
     recorders = [CallRecorder(sample) for _ in row_dicts]  # the env's own generate calls, as training records them
     episodes = runner.run_episodes(episodes_in, row_dicts, skip=[f is not None for f in failures], recorders=recorders)
-    r.lines.append(_style(rollout is not None, recorders, cfg.runtime.train_env_calls))
+    style = getattr(env, "env_style", None)  # an env wrapper that describes itself (envs/trl_env.py)
+    r.lines.append(style() if callable(style) else _style(rollout is not None, recorders, cfg.runtime.train_env_calls))
     scores, values = [], []
     for ep, completion, failure in zip(episodes, completions, failures, strict=True):
         values.append(None)

@@ -155,7 +155,8 @@ class PipelineTrainer(GRPOTrainer):
             from accelerate.utils import gather_object
 
             for batch, batch_logs in rounds:
-                rows = gather_object([{k: v for k, v in x.items() if k != "prompt"} for x in batch])  # as TRL does
+                rows = gather_object([{k: v for k, v in x.items() if k not in ("prompt", *ROLLOUT_FIELDS)}
+                                      for x in batch])  # as TRL does, less the fields rollout_func added to the rows
                 if self.ledger is not None:
                     self._record_episodes(rows, batch_logs)
         return out
@@ -337,7 +338,8 @@ class PipelineTrainer(GRPOTrainer):
         totals = reward_totals(rewards, self.reward_weights.tolist()) if rewards else None
         extra = logs["extra"]
         completions = list(extra["transcript"]) if "transcript" in extra else list(logs["completion"])
-        self.ledger.record("train", self.state.global_step + 1, list(logs["prompt"]), completions, rewards,
+        prompts = list(extra["opening"]) if "opening" in extra else list(logs["prompt"])  # as the episode began
+        self.ledger.record("train", self.state.global_step + 1, prompts, completions, rewards,
                            totals=totals, advantages=list(logs["advantages"]), rows=rows,
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
@@ -388,6 +390,10 @@ class _RuntimeSyncsWeights:
         pass
 
 
+# what rollout_func adds to each row for the reward functions (TRL merges them into the batch's rows)
+ROLLOUT_FIELDS = ("transcript", "episode_failure", "turn_scores", "opening")
+
+
 def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
     def run(prompts: list, trainer: PipelineTrainer) -> dict:
         rows = [{k: x[k] for k in extra_columns} for x in trainer.current_rows]
@@ -407,6 +413,8 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step
         for key, value in episode_metrics(rollout, trajs).items():
             metrics[key].append(value)
+        if rollout.stateful:  # a session extended the opening (a TRL env's reset() text): the ledger shows it
+            out["opening"] = [t.prompt for t in trajs]
         return out | {
             "env_mask": [t.env_mask for t in trajs],
             "transcript": [t.messages for t in trajs],  # what score_episode gets as `completion`
