@@ -5,8 +5,14 @@ The env thinks of a whole number; the model finds it with the `guess` tool, whic
 correct. TRL's contract: `reset(**row)` starts an episode and returns text appended to the prompt's last message;
 every public method is a tool (its schema is built from the type hints and the Google-style docstring);
 `get_reward()` scores the episode from the instance's state.
+
+`openings()` is the dataset `env=trl` names for it: each row's prompt is one worked game (the model's calls and the
+env's answers) and an empty user message, which reset() fills with the new game. Without the worked game
+SmolLM2-135M never writes a tool call (0 of 32 episodes, every score 0); with it, 28% of episodes guess and
+groups have reward spread (`python -m grpo_pipeline check env=trl`, docs/results.md).
 """
 
+import json
 import random
 
 
@@ -48,3 +54,17 @@ class GuessNumber:
             return 0.0
         closest = min(abs(g - self.secret) for g in self.guesses)
         return 0.5 * max(0.0, 1.0 - closest / self.high)
+
+
+def _call(number: int) -> str:
+    return f"<tool_call>{json.dumps({'name': 'guess', 'arguments': {'number': number}})}</tool_call>"
+
+
+def openings(num_episodes: int = 200) -> list[dict]:
+    """The opening of each episode: a worked game, then the user message reset() completes; `episode` seeds it."""
+    worked = [{"role": "user", "content": "I am thinking of a whole number from 1 to 20. Find it with the guess tool."},
+              {"role": "assistant", "content": _call(10)}, {"role": "tool", "content": "higher"},
+              {"role": "assistant", "content": _call(15)}, {"role": "tool", "content": "lower"},
+              {"role": "assistant", "content": _call(12)}, {"role": "tool", "content": "correct"},
+              {"role": "assistant", "content": "Found it: 12."}]
+    return [{"prompt": [*worked, {"role": "user", "content": ""}], "episode": i} for i in range(num_episodes)]

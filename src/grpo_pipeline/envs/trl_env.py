@@ -15,8 +15,9 @@ from type hints and Google-style docstrings, as TRL builds them) and `get_reward
 
 The opening prompts come from a dataset the user names (`dataset`: a dotted path to a `datasets.Dataset`, a list
 of rows or a function returning one; or a .json/.jsonl/.csv/.parquet file) or, for an env whose `reset()` writes the
-task, `num_episodes` rows (when no dataset is named) of an empty user message with an `episode` column (0..N-1) that `reset` may take to seed
-its task, so that a GRPO group's completions play the same task. Whether they do is checked at start-up.
+task, `num_episodes` rows (when no dataset is named) of an empty user message with an `episode` column (0..N-1) that
+`reset` may take to seed its task, so that a GRPO group's completions play the same task (checked at start-up). Rows
+with an `episode` column are held out by it, not by their prompt.
 
 An episode recorded in the ledger is scored again (rescore) by replay: a fresh instance, `reset(**row)`, the
 recorded tool calls run again, `get_reward()`; a tool result that differs from the recorded one says the env is
@@ -63,14 +64,15 @@ class TRLEnv:
         if not high > low:
             raise ValueError(f"env.reward_range={list(reward_range)}: give [min, max] with max > min")
         self.make = _factory(factory, dict(factory_kwargs or {}))
+        self._source = _dataset_source(dataset)
         self.name = getattr(factory, "__qualname__", None) or str(factory).rsplit(".", 1)[-1]
         self.display_name = f"TRLEnv({self.name})"  # how the pipeline's messages name the env
         self.dataset, self.num_episodes, self.system_prompt = dataset, num_episodes, system_prompt
         self.max_turns, self.turn_max_new_tokens = int(max_turns), int(turn_max_new_tokens)
         self.reward_range = (low, high)
-        # generated rows share one empty prompt: the task is the row's episode (held-out split, evaluation/heldout.py)
-        self.prompt_is_task = num_episodes is None
-        self.heldout_group_by = [] if num_episodes is None else ["episode"]
+        # rows with an `episode` column (generated ones share one prompt) are split by it, not by their prompt
+        # (the held-out split, evaluation/heldout.py); decided by build_dataset
+        self.prompt_is_task, self.heldout_group_by = True, []
         probe = self.make()
         self.cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
@@ -100,7 +102,9 @@ class TRLEnv:
                 {"role": "user", "content": ""}]
             dataset = Dataset.from_list([{"prompt": opening, "episode": i} for i in range(int(self.num_episodes))])
         else:
-            dataset = _load_dataset(self.dataset)
+            dataset = _load_dataset(self._source, self.dataset)
+        if "episode" in dataset.column_names:
+            self.prompt_is_task, self.heldout_group_by = False, ["episode"]
         if len(dataset) and "prompt" in dataset.column_names:
             self.same_task_in_group = self._probe_groups(dataset[0])
         return dataset
@@ -275,23 +279,28 @@ def _schema(method: Callable, env_name: str) -> dict:
                           "requires, or make it private (_name).") from e
 
 
-def _load_dataset(spec: Any) -> Dataset:
-    """env.dataset: a file, or a dotted path to a Dataset, a list of rows, or a function returning either."""
-    if isinstance(spec, str) and os.path.splitext(spec)[1] in _FILE_FORMATS:
+def _dataset_source(spec: Any) -> Any:
+    """env.dataset, resolved while the launch directory is importable (the constructor): a file path, or the
+    object a dotted path names (a Dataset, a list of rows, or a function returning either)."""
+    if spec is None or not isinstance(spec, str):
+        return spec
+    if os.path.splitext(spec)[1] in _FILE_FORMATS:
         if not os.path.exists(spec):
             raise ConfigError(f"env.dataset={spec!r}: no such file (relative paths start at {os.getcwd()}).")
-        return load_dataset(_FILE_FORMATS[os.path.splitext(spec)[1]], data_files=spec, split="train")
-    found = spec
-    if isinstance(spec, str):
-        module_name, _, name = spec.rpartition(".")
-        try:
-            found = getattr(importlib.import_module(module_name), name)
-        except Exception as e:
-            raise ConfigError(f"env.dataset={spec!r}: not a .json/.jsonl/.csv/.parquet file and not an importable "
-                              f"dotted path ({e.__class__.__name__}: {e}). Name a file, or module.rows / "
-                              "module.make_dataset (no download: datasets come from this machine).") from e
-    if callable(found) and not isinstance(found, Dataset):
-        found = found()
+        return os.path.abspath(spec)
+    module_name, _, name = spec.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except Exception as e:
+        raise ConfigError(f"env.dataset={spec!r}: not a .json/.jsonl/.csv/.parquet file and not an importable "
+                          f"dotted path ({e.__class__.__name__}: {e}). Name a file, or module.rows / "
+                          "module.make_rows (no download: datasets come from this machine)") from e
+
+
+def _load_dataset(source: Any, spec: Any) -> Dataset:
+    if isinstance(source, str):  # a file
+        return load_dataset(_FILE_FORMATS[os.path.splitext(source)[1]], data_files=source, split="train")
+    found = source() if callable(source) and not isinstance(source, Dataset) else source
     if isinstance(found, list):
         found = Dataset.from_list(found)
     if not isinstance(found, Dataset):
