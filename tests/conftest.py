@@ -85,3 +85,30 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env_extra: dict | No
         [sys.executable, "-m", "grpo_pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=timeout,
     )
+
+
+def scripted(tokenizer, plan, real_logps: bool = False):
+    """A stand-in for the runtime's batched decode (rollout/turns.py `generate`): sequence i of the k-th call writes
+    plan(i, k) (its tokens, then eos), with the generating model's log-probs of those tokens (`real_logps`) under
+    the call's temperature, or 0.0. Live episodes keep their order from one call to the next."""
+    import torch
+
+    calls = {"n": 0}
+
+    def generate(model, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefix=None, with_logprobs=True,
+                 caches=None, snapshots=None):
+        turn, calls["n"] = calls["n"], calls["n"] + 1
+        ids, logps = [], []
+        for i, context in enumerate(sequences):
+            new = tokenizer(plan(i, turn), add_special_tokens=False)["input_ids"][: max_new_tokens - 1] + eos_ids[:1]
+            ids.append(new)
+            if not (real_logps and sampling.get("do_sample")):
+                logps.append([0.0] * len(new))
+                continue
+            with torch.no_grad():
+                logits = model(torch.tensor([context + new])).logits[0, len(context) - 1 : -1].float()
+            logps.append(torch.log_softmax(logits / sampling["temperature"], -1)
+                         .gather(-1, torch.tensor(new)[:, None]).squeeze(-1).tolist())
+        return ids, logps
+
+    return generate

@@ -7,11 +7,10 @@ import logging
 import random
 
 import pytest
-import torch
 
 import grpo_pipeline.recipe as recipe
 import grpo_pipeline.rollout.turns as turns_module
-from conftest import tiny_overrides
+from conftest import scripted, tiny_overrides
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
 from grpo_pipeline.envs.guess import GuessNumber
 from grpo_pipeline.envs.runner import EpisodeRunner
@@ -25,30 +24,6 @@ SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
 
 def _call(number) -> str:
     return f'<tool_call>{json.dumps({"name": "guess", "arguments": {"number": number}})}</tool_call>'
-
-
-def scripted(tokenizer, plan, model=None):
-    """A stand-in for the runtime's batched decode: episode i's turn k writes plan(i, k) (its text, then eos),
-    with the model's real log-probs of those tokens when `model` is given. Live episodes keep their order."""
-    calls = {"turn": 0}
-
-    def generate(model_, sequences, max_new_tokens, sampling, eos_ids, pad_id, prefix=None, with_logprobs=True,
-                 caches=None, snapshots=None):
-        turn, calls["turn"] = calls["turn"], calls["turn"] + 1
-        ids, logps = [], []
-        for i, context in enumerate(sequences):
-            new = tokenizer(plan(i, turn), add_special_tokens=False)["input_ids"][: max_new_tokens - 1] + eos_ids[:1]
-            ids.append(new)
-            if model is None or not sampling.get("do_sample"):
-                logps.append([0.0] * len(new))
-                continue
-            with torch.no_grad():
-                logits = model(torch.tensor([context + new])).logits[0, len(context) - 1 : -1].float()
-            logps.append(torch.log_softmax(logits / sampling["temperature"], -1)
-                         .gather(-1, torch.tensor(new)[:, None]).squeeze(-1).tolist())
-        return ids, logps
-
-    return generate
 
 
 def _secret(episode: int, high: int = 20) -> int:
@@ -236,13 +211,15 @@ def test_neither_dataset_nor_episodes_is_refused():
 def test_the_opening_prompts_from_a_named_dataset(tmp_path, monkeypatch):
     rows = [{"prompt": [{"role": "user", "content": f"Game {i}."}], "episode": i} for i in range(3)]
     (tmp_path / "games.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "my_games.py").write_text(f"ROWS = {rows!r}\ndef make():\n    return ROWS[:2]\n")
+    (tmp_path / "my_games.py").write_text(f"ROWS = {rows!r}\ndef make():\n    return [{{'prompt': r['prompt']}} "
+                                         "for r in ROWS[:2]]\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     from_file = TRLEnv(GuessNumber, dataset="games.jsonl", num_episodes=100).build_dataset(None)
     assert len(from_file) == 3 and from_file[1]["prompt"][0]["content"] == "Game 1."  # the dataset replaces the 100
-    assert len(TRLEnv(GuessNumber, dataset="my_games.ROWS").build_dataset(None)) == 3
-    env = TRLEnv(GuessNumber, dataset="my_games.make")
+    env = TRLEnv(GuessNumber, dataset="my_games.ROWS")
+    assert len(env.build_dataset(None)) == 3 and not env.prompt_is_task and env.heldout_group_by == ["episode"]
+    env = TRLEnv(GuessNumber, dataset="my_games.make")  # no episode column: the prompt names the task
     assert len(env.build_dataset(None)) == 2 and env.prompt_is_task and env.heldout_group_by == []
 
 
@@ -259,7 +236,7 @@ def test_env_trl_trains_records_every_turn_and_rescores_by_replay(compose_cfg, t
     def run(self, model, prompts, rows, sampling, **kw):  # each call scripts its episodes by their rows
         seen_rows.append([r["episode"] for r in rows])
         episodes = [r["episode"] for r in rows]
-        monkeypatch.setattr(turns_module, "generate", scripted(tokenizer, _plan(episodes), model))
+        monkeypatch.setattr(turns_module, "generate", scripted(tokenizer, _plan(episodes), real_logps=True))
         return original(self, model, prompts, rows, sampling, **kw)
 
     monkeypatch.setattr(Rollout, "run", run)
@@ -297,3 +274,4 @@ def test_the_doctor_describes_a_trl_env(compose_cfg, tmp_path):
     text = run_check(cfg).text()
     assert "env style: TRL environment GuessNumber (environment_factory): tools guess" in text
     assert "one group, one task: yes" in text
+    assert "the first episode's opening, as its session extended it:" in text and "I am thinking of" in text

@@ -8,13 +8,14 @@ import torch
 from datasets import Dataset
 
 import grpo_pipeline.recipe as recipe
-from conftest import tiny_overrides
+import grpo_pipeline.rollout.turns as turns_module
+from conftest import scripted, tiny_overrides
 from grpo_pipeline.config.schema import ModelConfig, RuntimeConfig
 from grpo_pipeline.envs.hotel import HotelSeedEnv
 from grpo_pipeline.envs.recorder import CallRecorder, TurnSample
 from grpo_pipeline.envs.runner import EpisodeRunner
 from grpo_pipeline.models import build_tiny_model, build_tiny_tokenizer
-from grpo_pipeline.training.turn_samples import turn_rows
+from grpo_pipeline.training.turn_samples import chained, turn_rows
 
 SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
 
@@ -22,8 +23,9 @@ SAMPLING = {"do_sample": True, "temperature": 0.9, "top_k": 0, "top_p": 1.0}
 class SeedEnv:
     """The first reply comes from the trainer; the env asks again and generates the second turn itself."""
 
-    def __init__(self, greedy: bool = False):
+    def __init__(self, greedy: bool = False, whole_conversation: bool = False):
         self.greedy = greedy
+        self.whole_conversation = whole_conversation  # the second turn's context starts with the opening
         self.calls: dict[int, tuple[list[int], list[int]]] = {}  # i -> (input ids, ids the env got back)
 
     def build_dataset(self, tokenizer):
@@ -35,6 +37,8 @@ class SeedEnv:
         text = completion if isinstance(completion, str) else completion[-1]["content"]
         messages = [{"role": "user", "content": f"Count to {i}"}, {"role": "assistant", "content": text},
                     {"role": "user", "content": "Again, please."}]
+        if self.whole_conversation:
+            messages.insert(0, {"role": "system", "content": "You are a counting assistant. " * 4})
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
         extra = {"do_sample": False} if self.greedy else {}
@@ -134,6 +138,30 @@ def test_turn_rows_lay_out_a_trl_batch_with_each_episodes_advantage():
     assert turn_rows([[], []], torch.tensor([1.0, 2.0]), pad_id=0) is None
 
 
+def test_samples_that_continue_their_row_token_exactly_are_chained_onto_it():
+    out = {"prompt_ids": torch.tensor([[0, 1, 2], [3, 4, 5]]), "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+           "completion_ids": torch.tensor([[6, 7, 0], [8, 0, 0]]), "completion_mask": torch.tensor([[1, 1, 0],
+                                                                                               [1, 0, 0]]),
+           "sampling_per_token_logps": torch.tensor([[-0.1, -0.2, 0.0], [-0.3, 0.0, 0.0]]),
+           "advantages": torch.tensor([1.0, -1.0])}
+    first = TurnSample([1, 2, 6, 7, 30, 31], [40, 41], [-1.0, -2.0], ended=True)  # the row so far + the env's 30 31
+    second = TurnSample([1, 2, 6, 7, 30, 31, 40, 41, 32], [42], [-3.0], ended=True)  # and then the env's 32
+    apart = TurnSample([3, 4, 9], [43], [-4.0], ended=True)  # not the row's context: a row of its own
+    new, rest, grown = chained(out, [[first, second], [apart]], pad_id=0)
+    assert grown == [0] and rest == [[], [apart]]
+    assert new["completion_ids"][0].tolist() == [6, 7, 30, 31, 40, 41, 32, 42]
+    assert new["completion_mask"][0].tolist() == [1] * 8 and new["completion_mask"][1].tolist() == [1] + [0] * 7
+    assert new["tool_mask"][0].tolist() == [1, 1, 0, 0, 1, 1, 0, 1]  # the env's tokens are not trained
+    assert new["sampling_per_token_logps"][0].tolist() == pytest.approx([-0.1, -0.2, 0, 0, -1, -2, 0, -3])
+    assert new["completion_ids"][1].tolist() == [8] + [0] * 7 and torch.equal(new["advantages"], out["advantages"])
+    # a truncated sample under mask_truncated is laid out but not trained; no sample chains: the batch as it was
+    cut = TurnSample(first.prompt_ids, first.completion_ids, first.logprobs, ended=False)
+    assert chained(out, [[cut], []], pad_id=0, mask_truncated=True)[0]["tool_mask"][0].tolist()[:6] == [1, 1, 0, 0,
+                                                                                                          0, 0]
+    same, rest, grown = chained(out, [[apart], []], pad_id=0)
+    assert same is out and grown == [] and rest == [[apart], []]
+
+
 def _train(compose_cfg, tmp_path, monkeypatch, extra=(), env=None):
     """A 2-step tiny run of SeedEnv; returns (result, the batches TRL trained, the losses' inputs)."""
     from grpo_pipeline.training.trainer import PipelineTrainer
@@ -195,6 +223,44 @@ def test_a_seed_style_envs_second_turn_is_trained(compose_cfg, tmp_path, monkeyp
 
     metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
     assert metrics["env/turn_samples"] == n and metrics["env/turn_samples_skipped"] == 0
+
+
+def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(compose_cfg, tmp_path, monkeypatch):
+    """The env renders the whole conversation (opening, first reply, its own turn): its second turn chains onto the
+    episode's row, the env's tokens masked, and the tokens trained there are the tokens sampled."""
+    from grpo_pipeline.training.trainer import PipelineTrainer
+
+    checked, with_turn_rows = [], PipelineTrainer._with_turn_rows
+
+    def check(self, out):  # the policy as it sampled this step (not yet updated)
+        new = with_turn_rows(self, out)
+        model = self.accelerator.unwrap_model(self.model)
+        for r in range(new["advantages"].size(0)):
+            length = int(new["completion_mask"][r].sum())
+            if "tool_mask" not in new or 0 not in new["tool_mask"][r, :length]:
+                continue
+            p = new["prompt_ids"][r][new["prompt_mask"][r].bool()].tolist()
+            forced = _teacher_forced(model, p, new["completion_ids"][r, :length].tolist(), self.temperature)
+            trained = new["tool_mask"][r, :length].bool()
+            checked.append((forced[trained], new["sampling_per_token_logps"][r, :length][trained]))
+        assert new["num_items_in_batch"].item() == (new["completion_mask"] * new["tool_mask"]).sum().item()
+        return new
+
+    monkeypatch.setattr(PipelineTrainer, "_with_turn_rows", check)
+    # every sampled turn writes real words (a random model's bytes need not survive decoding and re-encoding), with
+    # the sampling copy's real log-probs: the first reply through the runtime, the env's turn through its fast path
+    monkeypatch.setattr(turns_module, "generate", scripted(build_tiny_tokenizer(), lambda i, k: f"one two {i} {k}",
+                                                           real_logps=True))
+    result, batches, _, _ = _train(compose_cfg, tmp_path, monkeypatch, env=SeedEnv(whole_conversation=True))
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history
+    chained_ = sum(m.value for m in history(result.mlflow_run_id, "env/turn_samples_chained"))
+    apart = sum(m.value for m in history(result.mlflow_run_id, "env/turn_samples"))
+    assert chained_ == 8 and apart == 0  # every sample chained onto its episode's row
+    assert len(checked) == chained_ and all(b["advantages"].size(0) < 8 for b in batches)  # fewer rows
+    for forced, sampled in checked:  # teacher-forced log-probs of the chained tokens == the sampled ones
+        assert torch.allclose(forced, sampled, atol=1e-3)
 
 
 def test_train_env_calls_false_trains_the_first_reply_alone(compose_cfg, tmp_path, monkeypatch):

@@ -107,6 +107,9 @@ def run_check(cfg: DictConfig) -> Report:
                                       row_dicts[start : start + cfg.eval.batch_size], sample)]
         episodes_in, completions = [t.messages for t in trajs], [t.text for t in trajs]
         failures = [t.failure for t in trajs]
+        if rollout.stateful:  # its session extended the opening (a TRL env's reset() text)
+            r.lines += ["the first episode's opening, as its session extended it:",
+                        _indent(render_prompt(tokenizer, trajs[0].prompt)[0][-400:])]
         r.lines += ["sample episode (turn by turn, after the opening):"] + [
             _indent(f"[{m['role']}] {m['content'][:300]}") for m in trajs[0].messages]
         r.lines.append(f"turns per episode: mean {statistics.fmean(t.turns for t in trajs):.2f} (max_turns "

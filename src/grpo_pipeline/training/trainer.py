@@ -24,7 +24,7 @@ from grpo_pipeline.training import dynamic_sampling as ds
 from grpo_pipeline.training import prefix_logps
 from grpo_pipeline.training.dynamic_sampling import loss_mask, reward_totals
 from grpo_pipeline.training.turn_credit import per_token_advantages, turn_segments
-from grpo_pipeline.training.turn_samples import turn_rows
+from grpo_pipeline.training.turn_samples import chained, turn_rows
 
 TESTED_TRL = "1.16"  # PipelineTrainer overrides private GRPOTrainer methods: the minor version it was tested on
 
@@ -211,8 +211,11 @@ class PipelineTrainer(GRPOTrainer):
         calls sampled from the policy itself)."""
         index = out.pop("turn_episode").tolist()
         metrics = self._metrics["train"]
-        rows = turn_rows([self._turns[i] for i in index], out["advantages"], self._tokenizer.pad_token_id or 0,
-                         self.mask_truncated_completions)
+        pad = self._tokenizer.pad_token_id or 0
+        samples = [self._turns[i] for i in index]
+        out, rest, grown = self._chained(out, samples, pad)
+        metrics["env/turn_samples_chained"].append(float(sum(map(len, samples)) - sum(map(len, rest))))
+        rows = turn_rows(rest, out["advantages"], pad, self.mask_truncated_completions)
         metrics["env/turn_samples"].append(0.0 if rows is None else float(rows["advantages"].size(0)))
         metrics["env/turn_samples_skipped"].append(float(self._turns_skipped))
         if rows is None:
@@ -241,6 +244,23 @@ class PipelineTrainer(GRPOTrainer):
         both = ds.concat_outputs(out, rows, self._tokenizer.pad_token_id or 0)
         both["num_items_in_batch"] = out["num_items_in_batch"] + loss_mask(rows).sum()  # one process (above)
         return both
+
+    def _chained(self, out: dict, samples: list, pad: int) -> tuple[dict, list, list[int]]:
+        """`out` with the samples that continue their episode's row token-exactly appended to it
+        (training/turn_samples.py `chained`), and the old / reference log-probs of the rows that grew."""
+        new, rest, grown = chained(out, samples, pad, self.mask_truncated_completions)
+        if not grown:
+            return out, rest, grown
+        sub = {k: new[k][grown] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        if "old_per_token_logps" in new:
+            if self.behaviour_logps:
+                new["old_per_token_logps"] = new["sampling_per_token_logps"]
+            else:
+                new["old_per_token_logps"][grown] = self._teacher_forced(sub)
+        if "ref_per_token_logps" in new:
+            new["ref_per_token_logps"][grown] = self._teacher_forced(sub, reference=True)
+        new["num_items_in_batch"] = out["num_items_in_batch"] + loss_mask(new).sum() - loss_mask(out).sum()
+        return new, rest, grown
 
     def _teacher_forced(self, rows: dict, reference: bool = False) -> torch.Tensor:
         """Per-token log-probs of rows' completions under the policy (or the reference model), as TRL computes them."""
