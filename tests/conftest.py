@@ -89,7 +89,7 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 300, env_extra: dict | No
 
 def scripted(tokenizer, plan, real_logps: bool = False):
     """A stand-in for the runtime's batched decode (rollout/turns.py `generate`): sequence i of the k-th call writes
-    plan(i, k) (its tokens, then eos), with the generating model's log-probs of those tokens (`real_logps`) under
+    plan(i, k) (its tokens, or the ids it gives, then eos), with the generating model's log-probs of those tokens (`real_logps`) under
     the call's temperature, or 0.0. Live episodes keep their order from one call to the next."""
     import torch
 
@@ -100,7 +100,9 @@ def scripted(tokenizer, plan, real_logps: bool = False):
         turn, calls["n"] = calls["n"], calls["n"] + 1
         ids, logps = [], []
         for i, context in enumerate(sequences):
-            new = tokenizer(plan(i, turn), add_special_tokens=False)["input_ids"][: max_new_tokens - 1] + eos_ids[:1]
+            text = plan(i, turn)  # or the ids themselves
+            new = (text if isinstance(text, list) else tokenizer(text, add_special_tokens=False)["input_ids"])
+            new = new[: max_new_tokens - 1] + eos_ids[:1]
             ids.append(new)
             if not (real_logps and sampling.get("do_sample")):
                 logps.append([0.0] * len(new))

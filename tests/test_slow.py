@@ -34,3 +34,18 @@ def test_doctor_is_quiet_on_arithmetic_with_the_default_model(compose_cfg, tmp_p
     text = report.text()
     assert "reward-exploit probes" in text and "learnability over 4 prompts x 8 samples" in text
     assert not any("exploit" in w or "nondeterministic" in w or "no signal" in w for w in report.warnings), text
+
+
+def test_a_trl_environment_gives_the_default_model_reward_spread(tmp_path, monkeypatch):
+    """Issue 37 item 4: env=trl (the example GuessNumber, as TRL users write it) on SmolLM2, two real steps: the
+    episodes call the env's tool and their rewards differ, so the groups carry a learning signal."""
+    monkeypatch.chdir(tmp_path)
+    result = grpo_pipeline.train(["env=trl", "training.max_steps=2", "eval.enabled=false",
+                                  f"output_dir={tmp_path / 'run'}"])
+    from grpo_pipeline.tracking.ledger import read
+
+    train = [e for e in read(Path(result.run_dir) / "episodes.jsonl") if e["split"] == "train"]
+    assert train and len({e["step"] for e in train}) == 2
+    rewards = [e["reward"] for e in train]
+    assert max(rewards) > min(rewards), rewards  # spread
+    assert any(m["role"] == "tool" for e in train for m in e["messages"])  # the tool was called

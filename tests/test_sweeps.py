@@ -404,3 +404,23 @@ def test_a_3_seed_x_2_point_tiny_sweep_prints_intervals_per_point(tmp_path):
     assert any(float(r[3].split("..")[1]) > float(r[3].split("..")[0]) for r in rows), table  # seeds differ
     assert "best" in {r[4] for r in rows}
     assert (tmp_path / "sweep" / "comparison_points.png").stat().st_size > 1000
+
+
+@pytest.mark.slow  # four tiny trainings in subprocesses
+def test_a_seeded_sweep_over_a_trl_environment(tmp_path):
+    """Issue 37 item 4: a TRL environment_factory env in a Hydra multirun, seeds grouped into points."""
+    tiny = [o for o in TINY if not o.startswith(("eval.", "env."))]
+    proc = subprocess.run([sys.executable, "-m", "grpo_pipeline", "-m", *tiny, "env=trl", "env.num_episodes=24",
+                           "env.max_turns=2", "env.turn_max_new_tokens=6", "loss.kl_coef=0,0.1", "seed=0,1",
+                           "generation.num_generations=2", "eval.num_prompts=4", "eval.every_steps=0",
+                           "hydra.sweep.dir=sweep"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "sweep" / "comparison.txt").read_text()
+    assert table.count("FINISHED") == 4, table
+    section = table.split("Per point over seeds")[1].splitlines()
+    rows = [[c.strip() for c in line.split("|")] for line in section if "|" in line]
+    rows = [r for r in rows if r[0].startswith("loss.kl_coef=")]
+    assert sorted(r[0] for r in rows) == ["loss.kl_coef=0", "loss.kl_coef=0.1"] and all(r[1] == "2" for r in rows)
+    runs = sorted((tmp_path / "sweep").glob("*/episodes.jsonl")) or sorted((tmp_path / "sweep").rglob("episodes.jsonl"))
+    assert len(runs) == 4 and all("I am thinking of" in p.read_text() for p in runs)

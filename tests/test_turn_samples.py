@@ -1,6 +1,7 @@
 """Seed-style envs (score_episode calls model.generate itself, the documents' way): in training, every turn they
 sample with the run's settings is recorded and trained as a row of its own, with its episode's advantage."""
 
+import functools
 import json
 
 import pytest
@@ -125,6 +126,30 @@ def test_calls_that_do_not_sample_as_the_run_are_counted_not_recorded(tiny):
     assert own.accepts((ids,), SAMPLING | {"max_new_tokens": 4}) and own.skipped == 2
 
 
+def test_a_call_whose_text_continues_the_episode_is_sampled_from_the_episodes_own_tokens():
+    tokenizer = build_tiny_tokenizer()
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    opening = encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    reply = [tokenizer.convert_tokens_to_ids(t) for t in ("h", "e", "y")] + encode("<|im_end|>")  # not canonical
+    turn = "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    recorder = CallRecorder(SAMPLING, opening + reply, tokenizer)
+    rendered = encode(tokenizer.decode(opening + reply) + turn)  # what an env re-rendering the chat gets
+    assert rendered[: len(opening + reply)] != opening + reply
+    sampled_from = recorder.rebased(rendered)
+    assert sampled_from == opening + reply + encode(turn) and recorder.rebased_calls == 1
+    assert tokenizer.decode(sampled_from) == tokenizer.decode(rendered)
+    other = encode(tokenizer.decode(opening) + "hex<|im_end|>" + turn)  # another reply: left as it is
+    assert recorder.rebased(other) == other and recorder.rebased(opening) == opening and recorder.rebased_calls == 1
+    # the call's sample extends the episode: the next call re-rendering the whole chat is rebased onto both
+    second = [tokenizer.convert_tokens_to_ids(t) for t in ("h", "e")] + encode("<|im_end|>")
+    recorder.add(torch.tensor([rendered]), torch.ones(1, len(rendered)), torch.tensor([second]),
+                 torch.zeros(1, len(second)), encode("<|im_end|>"), prompts=[sampled_from])
+    assert recorder.samples[0].prompt_ids == sampled_from
+    third = encode(tokenizer.decode(sampled_from + second) + turn)
+    assert recorder.rebased(third) == sampled_from + second + encode(turn) and recorder.rebased_calls == 2
+    assert CallRecorder(SAMPLING).rebased(third) == third  # no episode given: nothing to rebase onto
+
+
 def test_turn_rows_lay_out_a_trl_batch_with_each_episodes_advantage():
     a = TurnSample([5, 6, 7], [8, 9], [-0.5, -0.25], ended=True)
     b = TurnSample([5], [8, 9, 10], [-1.0, -2.0, -3.0], ended=False)
@@ -160,6 +185,20 @@ def test_samples_that_continue_their_row_token_exactly_are_chained_onto_it():
                                                                                                           0, 0]
     same, rest, grown = chained(out, [[apart], []], pad_id=0)
     assert same is out and grown == [] and rest == [[apart], []]
+    # per-turn credit: the chained tokens carry their episode's advantage, the env's tokens too (masked anyway)
+    turns = dict(out, turn_advantages=torch.tensor([[0.5, 1.5, 0.0], [-1.0, 0.0, 0.0]]))
+    new = chained(turns, [[first, second], []], pad_id=0)[0]
+    assert new["turn_advantages"][0].tolist() == [0.5, 1.5, 1, 1, 1, 1, 1, 1]
+    assert new["turn_advantages"][1].tolist() == [-1.0] + [0.0] * 7
+    # a sequence-level importance ratio (one per row) covers the first reply only: nothing is chained under it
+    seq = dict(out, importance_sampling_ratio=torch.tensor([[0.9], [1.0]]))
+    same, rest, grown = chained(seq, [[first, second], [apart]], pad_id=0)
+    assert same is seq and grown == [] and rest == [[first, second], [apart]]
+    token = dict(out, importance_sampling_ratio=torch.tensor([[0.9, 0.8, 1.0], [1.0, 1.0, 1.0]]))
+    assert chained(token, [[first], []], pad_id=0)[0]["importance_sampling_ratio"][0].tolist() == pytest.approx(
+        [0.9, 0.8, 1, 1, 1, 1])
+    with pytest.raises(NotImplementedError, match="token_type_ids"):  # a tensor it cannot lay out is refused
+        chained(dict(out, token_type_ids=torch.zeros(2, 3)), [[first], []], pad_id=0)
 
 
 def _train(compose_cfg, tmp_path, monkeypatch, extra=(), env=None):
@@ -225,9 +264,13 @@ def test_a_seed_style_envs_second_turn_is_trained(compose_cfg, tmp_path, monkeyp
     assert metrics["env/turn_samples"] == n and metrics["env/turn_samples_skipped"] == 0
 
 
-def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(compose_cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("canonical", [True, False])
+def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(compose_cfg, tmp_path, monkeypatch,
+                                                                               canonical):
     """The env renders the whole conversation (opening, first reply, its own turn): its second turn chains onto the
-    episode's row, the env's tokens masked, and the tokens trained there are the tokens sampled."""
+    episode's row, the env's tokens masked, and the tokens trained there are the tokens sampled. A first reply
+    sampled as tokens its text does not encode back to (h e, not he) is rebased: the turn is sampled from the
+    episode's own tokens, and chained all the same."""
     from grpo_pipeline.training.trainer import PipelineTrainer
 
     checked, with_turn_rows = [], PipelineTrainer._with_turn_rows
@@ -249,8 +292,15 @@ def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(c
     monkeypatch.setattr(PipelineTrainer, "_with_turn_rows", check)
     # every sampled turn writes real words (a random model's bytes need not survive decoding and re-encoding), with
     # the sampling copy's real log-probs: the first reply through the runtime, the env's turn through its fast path
-    monkeypatch.setattr(turns_module, "generate", scripted(build_tiny_tokenizer(), lambda i, k: f"one two {i} {k}",
-                                                           real_logps=True))
+    tokenizer = build_tiny_tokenizer()
+    he = [tokenizer.convert_tokens_to_ids(t) for t in ("h", "e")]  # the tiny tokenizer encodes "he" as one token
+    assert tokenizer("he", add_special_tokens=False)["input_ids"] != he
+
+    def plan(i, k):
+        return f"one two {i} {k}" if canonical else he + tokenizer(f" said {i} {k}", add_special_tokens=False)[
+            "input_ids"]
+
+    monkeypatch.setattr(turns_module, "generate", scripted(tokenizer, plan, real_logps=True))
     result, batches, _, _ = _train(compose_cfg, tmp_path, monkeypatch, env=SeedEnv(whole_conversation=True))
     from mlflow.tracking import MlflowClient
 
@@ -258,6 +308,7 @@ def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(c
     chained_ = sum(m.value for m in history(result.mlflow_run_id, "env/turn_samples_chained"))
     apart = sum(m.value for m in history(result.mlflow_run_id, "env/turn_samples"))
     assert chained_ == 8 and apart == 0  # every sample chained onto its episode's row
+    assert sum(m.value for m in history(result.mlflow_run_id, "env/turn_calls_rebased")) == (0 if canonical else 8)
     assert len(checked) == chained_ and all(b["advantages"].size(0) < 8 for b in batches)  # fewer rows
     for forced, sampled in checked:  # teacher-forced log-probs of the chained tokens == the sampled ones
         assert torch.allclose(forced, sampled, atol=1e-3)

@@ -242,7 +242,8 @@ class GenerateBatcher:
         no max_new_tokens, other eos ids: generate runs them)."""
         if any(c.recorder is None or c.limit is None for c in calls):
             return False
-        sequences = [c.input_ids[r][c.attention_mask[r].bool()].tolist() for c in calls for r in range(c.input_ids.size(0))]
+        sequences = [c.recorder.rebased(c.input_ids[r][c.attention_mask[r].bool()].tolist())
+                     for c in calls for r in range(c.input_ids.size(0))]  # the episode's own tokens where they fit
         sampling = {k: calls[0].gen_kwargs.get(k) for k in ("do_sample", "temperature", "top_k", "top_p")}
         result = self.fast(sequences, max(c.limit for c in calls), sampling, calls[0].eos_ids.tolist())
         if result is None:
@@ -262,8 +263,12 @@ class GenerateBatcher:
                 values[r, : len(i)] = torch.tensor(lp[: len(i)])
             laid_out.append((generated, values))
             row += n
+        row = 0
         for call, (generated, values) in zip(calls, laid_out, strict=True):
-            call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist())
+            n = call.input_ids.size(0)
+            call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist(),
+                              prompts=sequences[row : row + n])
+            row += n
             call.result = torch.cat([call.input_ids, generated.to(call.input_ids.device)], dim=1)
         self.calls += len(calls)
         self.batches += 1

@@ -8,6 +8,13 @@ the tokens the model saw (`prompt_ids`: the row's input ids without padding), th
 the run's temperature, as TRL computes the policy's). The trainer turns each into a training row of its own,
 with its episode's advantage (training/turn_samples.py).
 
+Where a call's input is, as text, the episode so far (its opening, the first reply, the turns recorded since) plus
+the env's new tokens, as when the env renders its conversation with the chat template, the runtime's decode loop
+samples it from the episode's own tokens plus the env's (`rebased`): text decoded and encoded again need not give
+back the tokens sampled (about 2 replies in 5 of SmolLM2 at temperature 1 do not), and with the model's own tokens
+the call continues its episode's training row token-exactly, so it is chained onto it (turn_samples.py `chained`).
+The env still gets its own input ids back, followed by the tokens sampled.
+
 A call is recorded only when it samples exactly as the run does: `do_sample` and the temperature, top-k and top-p
 of the run (filled in by the handle where the env left them out), and nothing else that changes the distribution,
 in the call or in the model's own `generation_config` (a repetition penalty, min_p, a minimum length, suppressed
@@ -16,6 +23,7 @@ calls (greedy, their own sampling) are kept out of the loss and counted as skipp
 from the distribution the loss assumes.
 """
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -44,12 +52,34 @@ class TurnSample:
 class CallRecorder:
     """One episode's recorded samples (its env thread and the batcher's worker both add to it)."""
 
-    def __init__(self, sampling: dict):
+    def __init__(self, sampling: dict, episode_ids: list[int] | None = None, tokenizer=None):
         self.sampling = {k: sampling.get(k) for k in _SAMPLING if k in sampling}
         self.temperature = float(sampling.get("temperature") or 1.0)
         self.samples: list[TurnSample] = []
         self.skipped = 0  # calls that did not sample as the run does
+        self.rebased_calls = 0  # calls sampled from the episode's own tokens (rebased)
+        self._episode = list(episode_ids) if episode_ids and tokenizer is not None else None  # its tokens so far
+        self._tokenizer = tokenizer
         self._lock = threading.Lock()
+
+    def rebased(self, ids: list[int]) -> list[int]:
+        """`ids` (a call's unpadded input) with its first part replaced by the episode's own tokens where that part
+        decodes to exactly the episode's text so far; otherwise `ids` as they are."""
+        episode = self._episode
+        if episode is None or ids[: len(episode)] == episode:
+            return ids
+        decode = functools.partial(self._tokenizer.decode, skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+        text, n = decode(episode), len(episode)
+        for k in sorted(range(max(1, n - _SLACK), min(len(ids), n + _SLACK) + 1), key=lambda k: abs(k - n)):
+            if decode(ids[:k]) == text:
+                new = episode + ids[k:]
+                if decode(new) != decode(ids):  # the same text, or nothing changes
+                    return ids
+                with self._lock:
+                    self.rebased_calls += 1
+                return new
+        return ids
 
     def accepts(self, args: tuple, kwargs: dict, model=None) -> bool:
         """Whether this call (its kwargs as the handle completed them, on `model`) samples from the policy as the
@@ -92,13 +122,14 @@ class CallRecorder:
             self.skipped += 1
 
     def add(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generated: torch.Tensor,
-            logps: torch.Tensor, eos_ids: list[int]) -> None:
+            logps: torch.Tensor, eos_ids: list[int], prompts: list[list[int]] | None = None) -> None:
         """Rows of one call: its (left-padded) input, the tokens generated after it, and each generated token's
-        log-prob ([rows, tokens]; `sampled_logps`)."""
+        log-prob ([rows, tokens]; `sampled_logps`). `prompts`: what each row was sampled from, where that is not
+        its input (`rebased`). A one-row call that continues the episode extends it."""
         samples = []
         input_ids, attention_mask, generated, logps = (t.cpu() for t in (input_ids, attention_mask, generated, logps))
         for row in range(input_ids.size(0)):
-            prompt = input_ids[row][attention_mask[row].bool()].tolist()
+            prompt = prompts[row] if prompts is not None else input_ids[row][attention_mask[row].bool()].tolist()
             ids = generated[row, : logps.size(1)].tolist()
             end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), None)
             ids = ids[:end] if end is not None else ids
@@ -106,6 +137,13 @@ class CallRecorder:
                 samples.append(TurnSample(prompt, ids, logps[row, : len(ids)].tolist(), end is not None))
         with self._lock:
             self.samples += samples
+            episode = self._episode
+            if episode is not None and len(samples) == 1 == input_ids.size(0) and \
+                    samples[0].prompt_ids[: len(episode)] == episode:
+                self._episode = samples[0].prompt_ids + samples[0].completion_ids
+
+
+_SLACK = 16  # how many tokens the episode's text may take more or fewer of in a call's input
 
 
 def sampled_logps(logits: tuple[torch.Tensor, ...], generated: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -122,7 +122,7 @@ class EpisodeRunner:
                 episodes, pre_failures = columns["transcript"], columns["episode_failure"]
             else:
                 episodes, pre_failures = [completion_text(c) for c in completions], None
-            scores, failed, metrics = self._score(episodes, rows, False, pre_failures)
+            scores, failed, metrics = self._score(episodes, rows, False, pre_failures, columns.get("episode_ids"))
             if log_metric is not None:
                 for name, value in metrics.items():
                     log_metric(name, value)
@@ -230,13 +230,16 @@ class EpisodeRunner:
             self._holder = None
             self._exclusive.release()
 
-    def _score(self, completions, rows, evaluation: bool, pre_failures: list[str | None] | None = None
-               ) -> tuple[list[float], list[bool], dict[str, float]]:
-        """`pre_failures`: episodes that already failed before scoring (an env call of a multi-turn rollout)."""
+    def _score(self, completions, rows, evaluation: bool, pre_failures: list[str | None] | None = None,
+               episode_ids: list[list[int]] | None = None) -> tuple[list[float], list[bool], dict[str, float]]:
+        """`pre_failures`: episodes that already failed before scoring (an env call of a multi-turn rollout).
+        `episode_ids`: each episode's tokens as sampled (prompt + first reply), where the rollout gave them."""
         pre_failures = pre_failures or [None] * len(rows)
         # training: what the env's own generate calls sample is recorded, to be trained (runtime.train_env_calls)
-        recorders = ([CallRecorder(self.sampling) for _ in rows] if not evaluation and self.cfg.train_env_calls
-                     and self.sampling.get("do_sample") else None)
+        recorders = None
+        if not evaluation and self.cfg.train_env_calls and self.sampling.get("do_sample"):
+            episode_ids = episode_ids or [None] * len(rows)
+            recorders = [CallRecorder(self.sampling, ids, self.tokenizer) for ids in episode_ids]
         episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
                                      skip=[f is not None for f in pre_failures], recorders=recorders)
         failures = [pre or self._failure(ep, c, row)
@@ -251,6 +254,7 @@ class EpisodeRunner:
         if recorders is not None:  # a failed episode's samples are not trained (it has no advantage)
             self.last_batch["turn_samples"] = [[] if f else r.samples for f, r in zip(failures, recorders, strict=True)]
             self.last_batch["turn_samples_skipped"] = sum(r.skipped for r in recorders)
+            self.last_batch["turn_calls_rebased"] = sum(r.rebased_calls for r in recorders)
         metrics = {"episode_seconds_mean": sum(seconds) / len(seconds), "episode_seconds_max": max(seconds)}
         if evaluation:
             self.eval_failures += sum(failed)

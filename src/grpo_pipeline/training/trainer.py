@@ -72,7 +72,7 @@ class PipelineTrainer(GRPOTrainer):
         self.runner, self.turn_credit = runner, turn_credit
         self.logp_watch = logp_watch  # sentinel: the sampler's vs the trainer's log-probs (rollout/sentinel.py)
         self._turns: list = []  # the step's recorded samples, per episode row of its rounds (turn_samples.py)
-        self._turns_skipped = 0
+        self._turns_skipped = self._turns_rebased = 0
         self.shared_prefix_loss = shared_prefix_loss and prefix_logps.supported(self.model)
         self.train_completions, self.resample_flat, self.flat_negative = train_completions, resample_flat, flat_negative
         self.ledger, self.record_episodes = ledger, record_episodes
@@ -135,7 +135,7 @@ class PipelineTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         training = self.model.training
-        self._turns, self._turns_skipped = [], 0
+        self._turns, self._turns_skipped, self._turns_rebased = [], 0, 0
         out, logs = self._sample_round(inputs)
         rounds = [(inputs, logs)]
         spread = None
@@ -178,6 +178,7 @@ class PipelineTrainer(GRPOTrainer):
             out["turn_episode"] = torch.arange(len(self._turns), len(self._turns) + n, device=out["advantages"].device)
             self._turns += turns
             self._turns_skipped += last.get("turn_samples_skipped", 0)
+            self._turns_rebased += last.get("turn_calls_rebased", 0)
         if self.behaviour_logps and "sampling_per_token_logps" in out:
             # the samples came from the runtime's bf16 (or other dtype) copy: PPO's ratio is the policy's probability
             # over the one that really sampled, so the clip also bounds the sampler's mismatch; costs no forward pass
@@ -218,6 +219,7 @@ class PipelineTrainer(GRPOTrainer):
         rows = turn_rows(rest, out["advantages"], pad, self.mask_truncated_completions)
         metrics["env/turn_samples"].append(0.0 if rows is None else float(rows["advantages"].size(0)))
         metrics["env/turn_samples_skipped"].append(float(self._turns_skipped))
+        metrics["env/turn_calls_rebased"].append(float(self._turns_rebased))
         if rows is None:
             return out
         if "old_per_token_logps" in out:
@@ -253,7 +255,7 @@ class PipelineTrainer(GRPOTrainer):
             return out, rest, grown
         sub = {k: new[k][grown] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         if "old_per_token_logps" in new:
-            if self.behaviour_logps:
+            if self.behaviour_logps and "sampling_per_token_logps" in new:
                 new["old_per_token_logps"] = new["sampling_per_token_logps"]
             else:
                 new["old_per_token_logps"][grown] = self._teacher_forced(sub)
@@ -411,7 +413,7 @@ class _RuntimeSyncsWeights:
 
 
 # what rollout_func adds to each row for the reward functions (TRL merges them into the batch's rows)
-ROLLOUT_FIELDS = ("transcript", "episode_failure", "turn_scores", "opening")
+ROLLOUT_FIELDS = ("transcript", "episode_failure", "turn_scores", "opening", "episode_ids")
 
 
 def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
@@ -426,8 +428,9 @@ def rollout_func(rollout: Rollout, sampling: dict, extra_columns: list[str]):
             "completion_ids": [t.completion_ids for t in trajs],
             "logprobs": [t.logprobs for t in trajs],
         }
-        if not rollout.multi_turn:  # TRL decodes the completion and scores it as text
-            return out
+        if not rollout.multi_turn:  # TRL decodes the completion and scores it as text; the env's own calls may
+            # continue the episode from its tokens as sampled (envs/recorder.py `rebased`)
+            return out | {"episode_ids": [list(t.prompt_ids) + list(t.completion_ids) for t in trajs]}
         if rollout.turn_credit:
             out["turn_scores"] = [t.turn_scores for t in trajs]
         metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # averaged and logged per step

@@ -57,6 +57,10 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
     caller computes old / reference log-probs of the rows that grew. A row whose completion is masked whole (a
     truncated one under mask_truncated) keeps its samples apart."""
     rows = out["completion_ids"].size(0)
+    ratio = out.get("importance_sampling_ratio")
+    if ratio is not None and ratio.dim() == 2 and ratio.size(1) == 1:
+        # a sequence-level ratio (vLLM's sequence mask) covers the first reply only: it must not weigh the env's turns
+        return out, [list(s) for s in samples], []
     lengths = out["completion_mask"].sum(dim=1).tolist()
     tails, rest = [], []
     for r in range(rows):
@@ -88,9 +92,8 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
         return new
 
     known = {"completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps", "old_per_token_logps",
-             "ref_per_token_logps", "importance_sampling_ratio"}
-    unknown = [k for k, v in out.items() if torch.is_tensor(v) and v.dim() == 2 and k not in known
-               and k not in ("prompt_ids", "prompt_mask") and v.size(1) == out["completion_ids"].size(1)]
+             "ref_per_token_logps", "importance_sampling_ratio", "turn_advantages", "prompt_ids", "prompt_mask"}
+    unknown = [k for k, v in out.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in known]
     if unknown:
         raise NotImplementedError(f"chaining an env's own generate calls onto its episode's row with {unknown} in "
                                   "TRL's batch is not supported; set runtime.train_env_calls=false")
@@ -101,8 +104,9 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
     logp_keys = [k for k in ("sampling_per_token_logps", "old_per_token_logps", "ref_per_token_logps") if k in out]
     for key in logp_keys:
         new[key] = widened(key, 0.0)
-    ratio = out.get("importance_sampling_ratio")
-    if ratio is not None and ratio.dim() == 2 and ratio.size(1) > 1:
+    if "turn_advantages" in out:  # per-turn credit: a turn the env sampled itself gets its episode's advantage
+        new["turn_advantages"] = widened("turn_advantages", 0.0)
+    if ratio is not None and ratio.dim() == 2:
         new["importance_sampling_ratio"] = widened("importance_sampling_ratio", 1.0)
     for r in grown:
         ids, model, logps = tails[r]
@@ -112,4 +116,6 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
         new["tool_mask"][r, span] = torch.tensor(model, dtype=new["tool_mask"].dtype, device=device)
         if "sampling_per_token_logps" in new:
             new["sampling_per_token_logps"][r, span] = torch.tensor(logps, device=device)
+        if "turn_advantages" in new:
+            new["turn_advantages"][r, span] = out["advantages"][r]
     return new, rest, grown
