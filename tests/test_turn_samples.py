@@ -183,6 +183,14 @@ def test_samples_that_continue_their_row_token_exactly_are_chained_onto_it():
     cut = TurnSample(first.prompt_ids, first.completion_ids, first.logprobs, ended=False)
     assert chained(out, [[cut], []], pad_id=0, mask_truncated=True)[0]["tool_mask"][0].tolist()[:6] == [1, 1, 0, 0,
                                                                                                           0, 0]
+    # a reply masked whole (truncated, mask_truncated): still untrained, laid out as the context the turns chain onto
+    masked = dict(out, completion_mask=torch.tensor([[0, 0, 0], [1, 0, 0]]))
+    new, rest, grown = chained(masked, [[first, second], []], pad_id=0, mask_truncated=True)
+    assert grown == [0] and rest == [[], []]
+    assert new["completion_ids"][0].tolist() == [6, 7, 30, 31, 40, 41, 32, 42]
+    assert new["completion_mask"][0].tolist() == [1] * 8 and new["tool_mask"][0].tolist() == [0, 0, 0, 0, 1, 1, 0, 1]
+    same, rest, grown = chained(masked, [[apart], []], pad_id=0, mask_truncated=True)  # another prompt: apart
+    assert same is masked and rest == [[apart], []]
     same, rest, grown = chained(out, [[apart], []], pad_id=0)
     assert same is out and grown == [] and rest == [[apart], []]
     # per-turn credit: the chained tokens carry their episode's advantage, the env's tokens too (masked anyway)

@@ -9,7 +9,8 @@
   (d) turn-credit: (b) with runtime.turn_credit=turn: each turn its own advantage (HotelEnv.score_turn).
 
 For each mode and seed: held-out (unique test requests, greedy episodes) mean reward, gain +- SE and success rate
-before -> after, steps, seconds per step, and the wait before the first training step.
+before -> after, steps, seconds per step, the wait before the first training step,
+and per step the env's own turns trained as rows of their own, chained onto their episode's row, and rebased.
 
     .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 2 --minutes 20
     .venv/bin/python scripts/bench/multiturn.py --modes trajectory seed-steps -- env.difficulty=easy
@@ -56,8 +57,12 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
     wall = time.monotonic() - started
     flat = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "frac_reward_zero_std")
     turns = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_samples")
+    chained = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_samples_chained")
+    rebased = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_calls_rebased")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
             "turn_rows": statistics.fmean(turns) if turns else None,
+            "chained": statistics.fmean(chained) if chained else None,
+            "rebased": statistics.fmean(rebased) if rebased else None,
             "flat_groups": statistics.fmean(flat) if flat else None,
             "s_per_step": r.train_seconds / max(r.steps, 1), "wait_before_first_step": r.startup_seconds,
             "rewards": r.rewards, "wall_s": wall}
@@ -87,7 +92,8 @@ def report(rows: list[dict], args) -> None:
     print()
     harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
     table = harness.Table("mode      ", "seed", "mean reward", "gain (+- SE)", "success", "steps", "s/step",
-                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "turn rows")
+                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "turn rows",
+                          "chained", "rebased")
     for r in rows:
         b, a, curve = r["before"], r["after"], r["rewards"]
         table.row(r["mode"], r["seed"], f"{b['mean_reward']:.3f} -> {a['mean_reward']:.3f}",
@@ -95,7 +101,7 @@ def report(rows: list[dict], args) -> None:
                   f"{b['success_rate']:.2f} -> {a['success_rate']:.2f}", r["steps"], f"{r['s_per_step']:.1f}",
                   f"{r['wall_s'] / 60:.1f} min", f"{r['wait_before_first_step']:.0f} s",
                   f"{statistics.fmean(curve[:3]):.3f} -> {statistics.fmean(curve[-3:]):.3f}",
-                  f"{r['flat_groups'] or 0:.2f}", f"{r['turn_rows']:.1f}" if r["turn_rows"] is not None else "-")
+                  f"{r['flat_groups'] or 0:.2f}", *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("turn_rows", "chained", "rebased")))
     for mode in args.modes:
         mine = [r for r in rows if r["mode"] == mode]
         if mine:

@@ -55,19 +55,27 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
     (the env's tokens between them: completion_mask 1, tool_mask 0, sampling log-prob 0), in call order, as long as
     they chain. Returns (the batch, the samples left for rows of their own, the rows that grew). Only the layout: the
     caller computes old / reference log-probs of the rows that grew. A row whose completion is masked whole (a
-    truncated one under mask_truncated) keeps its samples apart."""
+    truncated one under mask_truncated) stays untrained: its tokens are laid out (attended, tool_mask 0) where its
+    samples chain onto it."""
     rows = out["completion_ids"].size(0)
     ratio = out.get("importance_sampling_ratio")
     if ratio is not None and ratio.dim() == 2 and ratio.size(1) == 1:
         # a sequence-level ratio (vLLM's sequence mask) covers the first reply only: it must not weigh the env's turns
         return out, [list(s) for s in samples], []
     lengths = out["completion_mask"].sum(dim=1).tolist()
+    heads = [0] * rows  # rows masked whole whose samples chain: how many of their reply's tokens are laid out, untrained
     tails, rest = [], []
     for r in range(rows):
         ids, model, logps, left = [], [], [], list(samples[r])
+        prompt = out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
+        if not lengths[r] and left and left[0].prompt_ids[: len(prompt)] == prompt:
+            # a reply TRL masked whole (truncated, under mask_truncated): it stays untrained, but the turns the env
+            # sampled after it chain onto it; its tokens are those the sample's context and the row share
+            reply, seen = out["completion_ids"][r].tolist(), left[0].prompt_ids[len(prompt):]
+            heads[r] = lengths[r] = next((k for k, (a, b) in enumerate(zip(reply, seen)) if a != b),
+                                         min(len(reply), len(seen)))
         if lengths[r]:
-            context = (out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
-                       + out["completion_ids"][r, : lengths[r]].tolist())
+            context = prompt + out["completion_ids"][r, : lengths[r]].tolist()
             while left and len(left[0].prompt_ids) >= len(context) and left[0].prompt_ids[: len(context)] == context:
                 s = left.pop(0)
                 between = s.prompt_ids[len(context):]
@@ -110,6 +118,8 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
         new["importance_sampling_ratio"] = widened("importance_sampling_ratio", 1.0)
     for r in grown:
         ids, model, logps = tails[r]
+        new["completion_mask"][r, : heads[r]] = 1  # attended, not trained
+        new["tool_mask"][r, : heads[r]] = 0
         span = slice(lengths[r], lengths[r] + len(ids))
         new["completion_ids"][r, span] = torch.tensor(ids, device=device)
         new["completion_mask"][r, span] = 1
