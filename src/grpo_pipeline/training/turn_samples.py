@@ -72,7 +72,7 @@ def chained(out: dict, samples: list[list[TurnSample]], pad_id: int, mask_trunca
             # a reply TRL masked whole (truncated, under mask_truncated): it stays untrained, but the turns the env
             # sampled after it chain onto it; its tokens are those the sample's context and the row share
             reply, seen = out["completion_ids"][r].tolist(), left[0].prompt_ids[len(prompt):]
-            heads[r] = lengths[r] = next((k for k, (a, b) in enumerate(zip(reply, seen)) if a != b),
+            heads[r] = lengths[r] = next((k for k, (a, b) in enumerate(zip(reply, seen, strict=False)) if a != b),
                                          min(len(reply), len(seen)))
         if lengths[r]:
             context = prompt + out["completion_ids"][r, : lengths[r]].tolist()
