@@ -136,17 +136,21 @@ def test_a_call_whose_text_continues_the_episode_is_sampled_from_the_episodes_ow
     rendered = encode(tokenizer.decode(opening + reply) + turn)  # what an env re-rendering the chat gets
     assert rendered[: len(opening + reply)] != opening + reply
     sampled_from = recorder.rebased(rendered)
-    assert sampled_from == opening + reply + encode(turn) and recorder.rebased_calls == 1
+    assert sampled_from == opening + reply + encode(turn)
     assert tokenizer.decode(sampled_from) == tokenizer.decode(rendered)
     other = encode(tokenizer.decode(opening) + "hex<|im_end|>" + turn)  # another reply: left as it is
-    assert recorder.rebased(other) == other and recorder.rebased(opening) == opening and recorder.rebased_calls == 1
+    assert recorder.rebased(other) == other and recorder.rebased(opening) == opening
+    assert recorder.rebased_calls == 0  # counted when a row sampled from rebased tokens is recorded, not before
     # the call's sample extends the episode: the next call re-rendering the whole chat is rebased onto both
     second = [tokenizer.convert_tokens_to_ids(t) for t in ("h", "e")] + encode("<|im_end|>")
     recorder.add(torch.tensor([rendered]), torch.ones(1, len(rendered)), torch.tensor([second]),
                  torch.zeros(1, len(second)), encode("<|im_end|>"), prompts=[sampled_from])
-    assert recorder.samples[0].prompt_ids == sampled_from
+    assert recorder.samples[0].prompt_ids == sampled_from and recorder.rebased_calls == 1
     third = encode(tokenizer.decode(sampled_from + second) + turn)
-    assert recorder.rebased(third) == sampled_from + second + encode(turn) and recorder.rebased_calls == 2
+    assert recorder.rebased(third) == sampled_from + second + encode(turn)
+    recorder.add(torch.tensor([third]), torch.ones(1, len(third)), torch.tensor([second]),
+                 torch.zeros(1, len(second)), encode("<|im_end|>"), prompts=[third])  # sampled from its own input
+    assert recorder.samples[1].prompt_ids == third and recorder.rebased_calls == 1
     assert CallRecorder(SAMPLING).rebased(third) == third  # no episode given: nothing to rebase onto
 
 

@@ -17,6 +17,7 @@ and per step the env's own turns trained as rows of their own, chained onto thei
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -55,10 +56,9 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
     r = train(cfg, launch_dir=os.getcwd(), overrides=[f"mode={mode}", f"seed={seed}", *overrides],
               env=MODES[mode][0](**env_kwargs))
     wall = time.monotonic() - started
-    flat = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "frac_reward_zero_std")
-    turns = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_samples")
-    chained = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_samples_chained")
-    rebased = metric_history(default_tracking_uri(os.getcwd()), r.mlflow_run_id, "env/turn_calls_rebased")
+    history = functools.partial(metric_history, default_tracking_uri(os.getcwd()), r.mlflow_run_id)
+    flat, turns = history("frac_reward_zero_std"), history("env/turn_samples")
+    chained, rebased = history("env/turn_samples_chained"), history("env/turn_calls_rebased")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
             "turn_rows": statistics.fmean(turns) if turns else None,
             "chained": statistics.fmean(chained) if chained else None,

@@ -261,14 +261,10 @@ class GenerateBatcher:
             for r, (i, lp) in enumerate(zip(mine, logps[row : row + n], strict=True)):
                 generated[r, : len(i)] = torch.tensor(i, dtype=call.input_ids.dtype)
                 values[r, : len(i)] = torch.tensor(lp[: len(i)])
-            laid_out.append((generated, values))
+            laid_out.append((generated, values, sequences[row : row + n]))
             row += n
-        row = 0
-        for call, (generated, values) in zip(calls, laid_out, strict=True):
-            n = call.input_ids.size(0)
-            call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist(),
-                              prompts=sequences[row : row + n])
-            row += n
+        for call, (generated, values, prompts) in zip(calls, laid_out, strict=True):
+            call.recorder.add(call.input_ids, call.attention_mask, generated, values, call.eos_ids.tolist(), prompts)
             call.result = torch.cat([call.input_ids, generated.to(call.input_ids.device)], dim=1)
         self.calls += len(calls)
         self.batches += 1

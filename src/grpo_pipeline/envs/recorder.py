@@ -57,7 +57,7 @@ class CallRecorder:
         self.temperature = float(sampling.get("temperature") or 1.0)
         self.samples: list[TurnSample] = []
         self.skipped = 0  # calls that did not sample as the run does
-        self.rebased_calls = 0  # calls sampled from the episode's own tokens (rebased)
+        self.rebased_calls = 0  # rows recorded as sampled from the episode's own tokens (rebased)
         self._episode = list(episode_ids) if episode_ids and tokenizer is not None else None  # its tokens so far
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
@@ -74,11 +74,7 @@ class CallRecorder:
         for k in sorted(range(max(1, n - _SLACK), min(len(ids), n + _SLACK) + 1), key=lambda k: abs(k - n)):
             if decode(ids[:k]) == text:
                 new = episode + ids[k:]
-                if decode(new) != decode(ids):  # the same text, or nothing changes
-                    return ids
-                with self._lock:
-                    self.rebased_calls += 1
-                return new
+                return new if decode(new) == decode(ids) else ids  # the same text, or nothing changes
         return ids
 
     def accepts(self, args: tuple, kwargs: dict, model=None) -> bool:
@@ -126,10 +122,13 @@ class CallRecorder:
         """Rows of one call: its (left-padded) input, the tokens generated after it, and each generated token's
         log-prob ([rows, tokens]; `sampled_logps`). `prompts`: what each row was sampled from, where that is not
         its input (`rebased`). A one-row call that continues the episode extends it."""
-        samples = []
+        samples, rebased = [], 0
         input_ids, attention_mask, generated, logps = (t.cpu() for t in (input_ids, attention_mask, generated, logps))
         for row in range(input_ids.size(0)):
-            prompt = prompts[row] if prompts is not None else input_ids[row][attention_mask[row].bool()].tolist()
+            prompt = own = input_ids[row][attention_mask[row].bool()].tolist()
+            if prompts is not None:
+                prompt = prompts[row]
+                rebased += prompt != own
             ids = generated[row, : logps.size(1)].tolist()
             end = next((i + 1 for i, t in enumerate(ids) if t in eos_ids), None)
             ids = ids[:end] if end is not None else ids
@@ -137,6 +136,7 @@ class CallRecorder:
                 samples.append(TurnSample(prompt, ids, logps[row, : len(ids)].tolist(), end is not None))
         with self._lock:
             self.samples += samples
+            self.rebased_calls += rebased
             episode = self._episode
             if episode is not None and len(samples) == 1 == input_ids.size(0) and \
                     samples[0].prompt_ids[: len(episode)] == episode:
