@@ -385,3 +385,58 @@ def test_the_seed_style_hotel_runs_its_own_turns():
     assert env.score_episode(model, tokenizer, search, request) == 1.0 and model.calls == 1
     nothing = _Booker(tokenizer, "I cannot help.")
     assert env.score_episode(nothing, tokenizer, "Hello", request) == 0.0 and nothing.calls == env.max_turns - 1
+
+
+class ChatEnv(SeedEnv):
+    """Renders the whole conversation each time and asks twice: the second call's context is the first call's plus
+    the env's new turn."""
+
+    def score_episode(self, model, tokenizer, completion, i):
+        messages = [{"role": "system", "content": "You are a counting assistant. " * 4},
+                    {"role": "user", "content": f"Count to {i}"}, {"role": "assistant", "content": completion}]
+        for _ in range(2):
+            messages.append({"role": "user", "content": "Again, please."})
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+            out = model.generate(**inputs, max_new_tokens=6)
+            messages.append({"role": "assistant", "content": tokenizer.decode(out[0, inputs["input_ids"].shape[1]:],
+                                                                              skip_special_tokens=True)})
+        return 0.5
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_recorded_calls_continue_their_episodes_kv_cache(tiny, monkeypatch, reuse):
+    """An env call whose context starts with its episode's tokens (the first reply, then what its earlier calls
+    sampled) feeds only the tokens after them: it continues the episode's KV cache, and samples what a full prefill
+    would (the sampled log-probs are the model's, teacher-forced on the whole context)."""
+    from grpo_pipeline.rollout.turns import Rollout
+
+    tokenizer, model = tiny
+    env = ChatEnv()
+    runner = EpisodeRunner(env, tokenizer, RuntimeConfig(), ["i"], sampling=SAMPLING)
+    runner.bind(model)
+    rollout = Rollout(env, tokenizer, runner, max_turns=1, turn_tokens=6, max_episode_tokens=6, reuse_cache=reuse)
+    fed, contexts = [], []
+    decode = turns_module.decode
+    monkeypatch.setattr(turns_module, "decode", lambda model, ids, mask, *a, **kw: (
+        fed.append(int(mask[:, (a[4] if len(a) > 4 else 0):].sum())), decode(model, ids, mask, *a, **kw))[1])
+    data = env.build_dataset(tokenizer)
+    rows = [{"i": i} for i in range(4)]
+    torch.manual_seed(0)
+    trajs = rollout.run(model, data["prompt"][:4], rows, SAMPLING)
+    assert (rollout._episode_caches is not None) == reuse
+    recorders = [CallRecorder(SAMPLING, t.prompt_ids + t.completion_ids, tokenizer) for t in trajs]
+    fed.clear()
+    episodes = runner.run_episodes([t.text for t in trajs], rows, recorders=recorders)
+    assert all(ep.error is None for ep in episodes)
+    for rec in recorders:
+        assert len(rec.samples) == 2
+        contexts += [len(s.prompt_ids) for s in rec.samples]
+        for sample in rec.samples:
+            forced = _teacher_forced(model, sample.prompt_ids, sample.completion_ids, SAMPLING["temperature"])
+            assert torch.allclose(forced, torch.tensor(sample.logprobs), atol=1e-4)
+    # what the calls' decodes fed (real tokens, before sampling) against the contexts the calls had
+    if reuse:
+        assert sum(fed) < sum(contexts) / 3
+    else:
+        assert sum(fed) == sum(contexts)

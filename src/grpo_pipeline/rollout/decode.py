@@ -96,16 +96,23 @@ class RowCache:
     def keep(self, generated: int) -> "RowCache":
         """The cache of the sequence that keeps only the first `generated` of the tokens this decode produced
         (the rest, sampled after an eos or past a row's own limit, are masked out)."""
-        n = min(self.fed, generated)
-        mask = self.mask.clone()
-        mask[self.start + n:] = 0
-        return RowCache(self.layers, mask, self.tokens - self.fed + n)
+        return self.truncated(self.tokens - self.fed + min(self.fed, generated))
 
     def drop_last(self) -> "RowCache":
         """The cache without its last token (so that a continuation has at least one token to feed)."""
+        return self.truncated(self.tokens - 1)
+
+    def truncated(self, tokens: int) -> "RowCache":
+        """The cache of the sequence's first `tokens` tokens (the columns of the others masked out)."""
         mask = self.mask.clone()
-        mask[int(mask.nonzero().max())] = 0
-        return RowCache(self.layers, mask, self.tokens - 1)
+        if tokens >= self.tokens:
+            return RowCache(self.layers, mask, self.tokens)
+        mask[int(mask.nonzero()[tokens]) if tokens else 0:] = 0
+        return RowCache(self.layers, mask, tokens)
+
+    def empty(self) -> "RowCache":
+        """A cache of no tokens, shaped like this one (a row without a cache in a batch of rows with one)."""
+        return RowCache([(k[:, :0], v[:, :0]) for k, v in self.layers], self.mask[:0], 0)
 
 
 def cached_rows(caches: list[RowCache]) -> tuple[DynamicCache, torch.Tensor]:

@@ -110,8 +110,13 @@ class Rollout:
         self.turn_credit = turn_credit
         self.sentinel: WeightsSentinel | None = None  # set by the recipe (sentinel.enabled)
         self._sampler = None  # the copy the last sampled rollout generated from (current until the next update)
+        self._episode_caches: EpisodeCaches | None = None  # its episodes' KV caches, for the env's recorded calls
+        # a seed-style env whose own generate calls are trained (runtime.train_env_calls): they go through
+        # sample_for_env, which continues each episode from its KV cache
+        self.for_env = False
         if runner is not None and hasattr(runner, "fast_generate"):
             runner.fast_generate = self.sample_for_env
+            self.for_env = bool(getattr(getattr(runner, "cfg", None), "train_env_calls", False))
         self.sentinel_metrics: dict[str, float] = {}
         self.score_turns = turn_credit and callable(getattr(env, "score_turn", None))
         self.vllm_sync = vllm_sync  # how the runtime's vLLM gets the policy: weights | adapter (the run plan's)
@@ -181,12 +186,16 @@ class Rollout:
                         self._sampler = (model, dict(sampling))
                     prefix = SharedPrefix.build(model, [t.prompt_ids for t in trajs])
                 caches: dict[int, RowCache] = {}  # id(trajectory) -> its KV cache after the last turn
+                # a seed-style env's recorded calls continue its episodes: their caches are kept for them
+                for_env = (self.for_env and not self.multi_turn and self.reuse_cache and model is not None
+                           and bool(sampling.get("do_sample")))
+                self._episode_caches = None
                 for turn in range(self.max_turns):
                     live = [t for t in trajs if not t.done]
                     if not live:
                         break
-                    self._assistant_turn(model, live, sampling, prefix, limit,
-                                         caches if self.reuse_cache else None, keep=turn < self.max_turns - 1)
+                    self._assistant_turn(model, live, sampling, prefix, limit, caches if self.reuse_cache else None,
+                                         keep=turn < self.max_turns - 1 or for_env, keep_done=for_env)
                     if self.turn_credit and sampling.get("do_sample"):
                         self._score_turn(live)
                     live = [t for t in live if not t.done]
@@ -196,6 +205,9 @@ class Rollout:
                     for t in live:
                         if t.done:
                             caches.pop(id(t), None)
+                if for_env:
+                    self._episode_caches = EpisodeCaches([(t.prompt_ids + t.completion_ids, caches[id(t)])
+                                                          for t in trajs if id(t) in caches])
         finally:
             policy.train(was_training)
         return trajs
@@ -209,9 +221,17 @@ class Rollout:
         model, used = self._sampler
         if any(sampling.get(k) != used.get(k) for k in ("do_sample", "temperature", "top_k", "top_p")):
             return None
+        store = self._episode_caches
+        found = store.find(sequences) if store is not None else [None] * len(sequences)
+        snapshots = [None] * len(sequences) if store is not None else None
         with torch.no_grad():
-            return generate(model, sequences, max_new_tokens, sampling, self.eos_ids, self.pad_id, None,
-                            with_logprobs=True)
+            ids, logps = generate(model, sequences, max_new_tokens, sampling, self.eos_ids, self.pad_id, None,
+                                  with_logprobs=True, caches=[f and f[1] for f in found], snapshots=snapshots)
+        if store is not None:
+            store.replace({f[0] for f in found if f is not None},
+                          [(s + i, snap.keep(len(i))) for s, i, snap in zip(sequences, ids, snapshots, strict=True)
+                           if snap is not None])
+        return ids, logps
 
     def _start(self, prompt, row: dict) -> Trajectory:
         text, is_chat = render_prompt(self.tokenizer, prompt, self.tools)
@@ -228,9 +248,11 @@ class Rollout:
                 t.prompt, t.prompt_ids = opening, self._start(opening, t.row).prompt_ids
 
     def _assistant_turn(self, model, live: list[Trajectory], sampling: dict, prefix: "SharedPrefix",
-                        turn_tokens: int, caches: dict[int, RowCache] | None = None, keep: bool = False) -> None:
+                        turn_tokens: int, caches: dict[int, RowCache] | None = None, keep: bool = False,
+                        keep_done: bool = False) -> None:
         """Turn k of every live episode, in one batched decode. With `caches`, each episode continues from its KV
-        cache of the turn before (when it has one) and, with `keep` (a turn follows), leaves this turn's there."""
+        cache of the turn before (when it has one) and, with `keep` (a turn follows), leaves this turn's there; with
+        `keep_done` also an episode's that ended here (the env's own calls may continue it, `sample_for_env`)."""
         limits = [min(turn_tokens, self.max_episode_tokens - len(t.completion_ids)) for t in live]
         contexts = [t.prompt_ids + t.completion_ids for t in live]
         with_logprobs = sampling.get("do_sample", False)
@@ -251,8 +273,8 @@ class Rollout:
             ended = bool(ids) and ids[-1] in self.eos_ids
             if len(t.completion_ids) >= self.max_episode_tokens or (limit < turn_tokens and not ended):
                 t.done = t.cut = True  # the episode's token budget is spent
-            elif snapshots is not None and snapshots[i] is not None:
-                caches[id(t)] = snapshots[i].keep(len(ids))  # for its next turn
+            if snapshots is not None and snapshots[i] is not None and (not t.done or keep_done):
+                caches[id(t)] = snapshots[i].keep(len(ids))  # for its next turn (or the env's own calls)
 
     def _score_turn(self, live: list[Trajectory]) -> None:
         """The env's score of each live episode's last assistant turn (concurrently, under the runtime's rules); a
@@ -351,6 +373,35 @@ def _as_list(value) -> list[int]:
     return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
+class EpisodeCaches:
+    """The KV caches of this step's episodes, for the env's own recorded calls (`Rollout.sample_for_env`): each
+    episode's cache after its first reply, then after each call that continued it. A call whose input starts with an
+    episode's tokens (a rebased call does, envs/recorder.py) feeds only what follows them instead of the whole
+    conversation again; its own cache then stands for the episode."""
+
+    MIN_TOKENS = 16  # a shorter common start is not worth a cache
+
+    def __init__(self, entries: list[tuple[list[int], RowCache]]):
+        self.entries = entries  # (the tokens a cache holds, the cache)
+
+    def find(self, sequences: list[list[int]]) -> list[tuple[int, RowCache] | None]:
+        """Per sequence, (entry index, the entry's cache cut to the tokens it shares with the sequence) of the entry
+        sharing the longest start with it, or None."""
+        found = []
+        for s in sequences:
+            best, best_n = None, self.MIN_TOKENS - 1
+            for i, (ids, _) in enumerate(self.entries):
+                n = _common_prefix_length([ids, s])
+                if n > best_n:
+                    best, best_n = i, n
+            found.append(None if best is None else (best, self.entries[best][1].truncated(best_n)))
+        return found
+
+    def replace(self, used: set[int], added: list[tuple[list[int], RowCache]]) -> None:
+        """Entries `used` by a call give way to the caches the call left (the episodes continued)."""
+        self.entries = [e for i, e in enumerate(self.entries) if i not in used] + added
+
+
 # --- batched generation ------------------------------------------------------------------------------
 class SharedPrefix:
     """The KV cache of the longest token prefix that every sequence of a batch starts with."""
@@ -395,10 +446,12 @@ def generate(model, sequences: list[list[int]], max_new_tokens: int, sampling: d
     KV cache is reused, and the holes are masked (positions come from the attention mask, so each token
     keeps the position it would have without padding). With `caches` (one `RowCache` per sequence, each holding
     a prefix of its sequence), the layout is [its cache | left padding | the tokens after it] and only those are
-    fed. `snapshots` (a list of Nones) is filled with each sequence's cache afterwards (`sampler.decode`)."""
+    fed (a None among them: that sequence is fed whole). `snapshots` (a list of Nones) is filled with each sequence's
+    cache afterwards (`sampler.decode`)."""
     device = model.device
-    if caches and all(c is not None for c in caches):
-        caches = [c if c.tokens < len(s) else c.drop_last() for c, s in zip(caches, sequences, strict=True)]
+    if caches and any(c is not None for c in caches):  # a row without one: an empty cache (all its tokens fed)
+        empty = next(c for c in caches if c is not None).empty()
+        caches = [(c if c is not None else empty).truncated(len(s) - 1) for c, s in zip(caches, sequences, strict=True)]
         cache, head = cached_rows(caches)  # head: the mask over the cached columns
         tails = [s[c.tokens:] for c, s in zip(caches, sequences, strict=True)]
     elif prefix is not None and prefix.covers(sequences):
