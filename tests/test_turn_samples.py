@@ -427,8 +427,10 @@ def test_recorded_calls_continue_their_episodes_kv_cache(tiny, monkeypatch, reus
     assert (rollout._episode_caches is not None) == reuse
     recorders = [CallRecorder(SAMPLING, t.prompt_ids + t.completion_ids, tokenizer) for t in trajs]
     fed.clear()
+    used, fast = [], runner.fast_generate
+    runner.fast_generate = lambda *a: used.append(len(a[0])) or fast(*a)
     episodes = runner.run_episodes([t.text for t in trajs], rows, recorders=recorders)
-    assert all(ep.error is None for ep in episodes)
+    assert all(ep.error is None for ep in episodes) and sum(used) == 8  # both calls of each, by the decode loop
     for rec in recorders:
         assert len(rec.samples) == 2
         contexts += [len(s.prompt_ids) for s in rec.samples]
@@ -436,7 +438,9 @@ def test_recorded_calls_continue_their_episodes_kv_cache(tiny, monkeypatch, reus
             forced = _teacher_forced(model, sample.prompt_ids, sample.completion_ids, SAMPLING["temperature"])
             assert torch.allclose(forced, torch.tensor(sample.logprobs), atol=1e-4)
     # what the calls' decodes fed (real tokens, before sampling) against the contexts the calls had
-    if reuse:
-        assert sum(fed) < sum(contexts) / 3
-    else:
-        assert sum(fed) == sum(contexts)
+    assert len(fed) >= 2 and sum(fed) < sum(contexts) / 3 if reuse else sum(fed) == sum(contexts)
+    # scoring a training batch releases the step's episode caches
+    rollout.run(model, data["prompt"][:4], rows, SAMPLING)
+    assert (rollout._episode_caches is not None) == reuse
+    runner._score([t.text for t in trajs], rows, False, episode_ids=[t.prompt_ids + t.completion_ids for t in trajs])
+    assert rollout._episode_caches is None

@@ -93,6 +93,7 @@ class EpisodeRunner:
         self.model = None
         # the runtime's decode loop on its sampling copy, for the env's recorded calls (set by rollout/turns.py)
         self.fast_generate = None
+        self.fast_generate_done = None  # called once a training batch's episodes are scored
         self.failures = self.timeouts = 0  # training episodes, whole run
         self.eval_failures = self.eval_timeouts = 0
         self.budget = FailureBudget(self.env_name, cfg.max_failure_rate, cfg.failure_window)
@@ -240,8 +241,12 @@ class EpisodeRunner:
         if not evaluation and self.cfg.train_env_calls and self.sampling.get("do_sample"):
             episode_ids = episode_ids or [None] * len(rows)
             recorders = [CallRecorder(self.sampling, ids, self.tokenizer) for ids in episode_ids]
-        episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
-                                     skip=[f is not None for f in pre_failures], recorders=recorders)
+        try:
+            episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
+                                         skip=[f is not None for f in pre_failures], recorders=recorders)
+        finally:
+            if recorders is not None and self.fast_generate_done is not None:
+                self.fast_generate_done()  # the rollout's episode caches are not needed any more
         failures = [pre or self._failure(ep, c, row)
                     for ep, c, row, pre in zip(episodes, completions, rows, pre_failures, strict=True)]
         scores = [0.0 if f else self._check_score(ep.value, c, row)

@@ -110,6 +110,14 @@ class RowCache:
         mask[int(mask.nonzero()[tokens]) if tokens else 0:] = 0
         return RowCache(self.layers, mask, tokens)
 
+    def compact(self) -> "RowCache":
+        """The same cache without its masked columns (padding holes, tokens dropped): smaller, and as good, since
+        positions come from the mask."""
+        if bool(self.mask.all()):
+            return RowCache(self.layers, self.mask, self.tokens)
+        real = self.mask.nonzero().squeeze(-1)
+        return RowCache([(k[:, real], v[:, real]) for k, v in self.layers], self.mask[real], self.tokens)
+
     def empty(self) -> "RowCache":
         """A cache of no tokens, shaped like this one (a row without a cache in a batch of rows with one)."""
         return RowCache([(k[:, :0], v[:, :0]) for k, v in self.layers], self.mask[:0], 0)

@@ -22,7 +22,8 @@ episode's transcript (`Transcript.session`) to score_episode, which asks it for 
 A shared-prefix KV cache (`SharedPrefix`) spares the prefill of what every episode's context starts
 with (the system prompt, a worked example): it is computed once per batch and used by the first turn. Each
 episode's KV cache is kept from one turn to the next (`RowCache`): turn k+1 feeds only the tokens that turn k
-did not see (its last sampled token and the env's reply), not the whole conversation again.
+did not see (its last sampled token and the env's reply), not the whole conversation again. A seed-style env's own
+recorded calls (`sample_for_env`) continue their episodes the same way (`EpisodeCaches`).
 """
 
 import logging
@@ -115,7 +116,7 @@ class Rollout:
         # sample_for_env, which continues each episode from its KV cache
         self.for_env = False
         if runner is not None and hasattr(runner, "fast_generate"):
-            runner.fast_generate = self.sample_for_env
+            runner.fast_generate, runner.fast_generate_done = self.sample_for_env, self.release_episode_caches
             self.for_env = bool(getattr(getattr(runner, "cfg", None), "train_env_calls", False))
         self.sentinel_metrics: dict[str, float] = {}
         self.score_turns = turn_credit and callable(getattr(env, "score_turn", None))
@@ -164,6 +165,7 @@ class Rollout:
         the rollout's own limit (e.g. eval.max_new_tokens). A sampled rollout first checks that the copy it samples
         from holds the policy's weights (`sentinel`, rollout/sentinel.py; its metrics in `sentinel_metrics`)."""
         self.sentinel_metrics = {}
+        self._episode_caches = None
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
         if self.stateful:
@@ -189,7 +191,6 @@ class Rollout:
                 # a seed-style env's recorded calls continue its episodes: their caches are kept for them
                 for_env = (self.for_env and not self.multi_turn and self.reuse_cache and model is not None
                            and bool(sampling.get("do_sample")))
-                self._episode_caches = None
                 for turn in range(self.max_turns):
                     live = [t for t in trajs if not t.done]
                     if not live:
@@ -228,10 +229,13 @@ class Rollout:
             ids, logps = generate(model, sequences, max_new_tokens, sampling, self.eos_ids, self.pad_id, None,
                                   with_logprobs=True, caches=[f and f[1] for f in found], snapshots=snapshots)
         if store is not None:
-            store.replace({f[0] for f in found if f is not None},
-                          [(s + i, snap.keep(len(i))) for s, i, snap in zip(sequences, ids, snapshots, strict=True)
-                           if snap is not None])
+            store.replace(found, [(s + i, snap.keep(len(i))) for s, i, snap in zip(sequences, ids, snapshots,
+                                                                                   strict=True) if snap is not None])
         return ids, logps
+
+    def release_episode_caches(self) -> None:
+        """The step's episodes were scored: their KV caches are not needed any more (runner.py calls this)."""
+        self._episode_caches = None
 
     def _start(self, prompt, row: dict) -> Trajectory:
         text, is_chat = render_prompt(self.tokenizer, prompt, self.tools)
@@ -377,29 +381,40 @@ class EpisodeCaches:
     """The KV caches of this step's episodes, for the env's own recorded calls (`Rollout.sample_for_env`): each
     episode's cache after its first reply, then after each call that continued it. A call whose input starts with an
     episode's tokens (a rebased call does, envs/recorder.py) feeds only what follows them instead of the whole
-    conversation again; its own cache then stands for the episode."""
+    conversation again; its own cache then stands for the episode. Caches are stored without their padding holes."""
 
     MIN_TOKENS = 16  # a shorter common start is not worth a cache
 
     def __init__(self, entries: list[tuple[list[int], RowCache]]):
-        self.entries = entries  # (the tokens a cache holds, the cache)
+        self.entries: list[tuple[torch.Tensor, RowCache]] = []  # (the tokens a cache holds, the cache)
+        self.add(entries)
+
+    def add(self, entries: list[tuple[list[int], RowCache]]) -> None:
+        self.entries += [(torch.tensor(ids[: cache.tokens], dtype=torch.long), cache.compact())
+                         for ids, cache in entries]
 
     def find(self, sequences: list[list[int]]) -> list[tuple[int, RowCache] | None]:
         """Per sequence, (entry index, the entry's cache cut to the tokens it shares with the sequence) of the entry
-        sharing the longest start with it, or None."""
+        sharing the longest start with it (at least MIN_TOKENS), or None."""
         found = []
         for s in sequences:
+            s = torch.tensor(s, dtype=torch.long)
             best, best_n = None, self.MIN_TOKENS - 1
             for i, (ids, _) in enumerate(self.entries):
-                n = _common_prefix_length([ids, s])
+                n = min(len(ids), len(s))
+                differ = (ids[:n] != s[:n]).nonzero()
+                n = int(differ[0]) if len(differ) else n
                 if n > best_n:
                     best, best_n = i, n
             found.append(None if best is None else (best, self.entries[best][1].truncated(best_n)))
         return found
 
-    def replace(self, used: set[int], added: list[tuple[list[int], RowCache]]) -> None:
-        """Entries `used` by a call give way to the caches the call left (the episodes continued)."""
-        self.entries = [e for i, e in enumerate(self.entries) if i not in used] + added
+    def replace(self, found: list[tuple[int, RowCache] | None], added: list[tuple[list[int], RowCache]]) -> None:
+        """The caches a call left (its episodes continued) stored; an entry the call used whole gives way to them
+        (one used in part, e.g. a shared opening, stays for the calls still to come)."""
+        whole = {i for i, cache in filter(None, found) if cache.tokens >= self.entries[i][1].tokens}
+        self.entries = [e for i, e in enumerate(self.entries) if i not in whole]
+        self.add(added)
 
 
 # --- batched generation ------------------------------------------------------------------------------
