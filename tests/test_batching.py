@@ -280,3 +280,44 @@ def test_a_short_call_is_not_merged_behind_a_long_one_and_returns_first():
     assert [r.shape[1] - 3 for r in results] == [2000, 4, 40, 6]
     # 4 and 6 merge (one generate of 6 tokens); 40 > max(2 x 4, 4 + 32) and 2000 run alone; shortest first
     assert finished == [6, 40, 2000] and batcher.batches == 3
+
+
+def test_without_a_worker_the_waiting_thread_serves_and_a_late_worker_takes_over(tiny):
+    """worker=False: the calls run on the thread that serves (here a ServingEvent's wait, as the runner's
+    run_bounded does); calls left after it stopped serving run once a worker is started, and close() drains."""
+    from grpo_pipeline.envs.batching import ServingEvent
+
+    model, tok = tiny
+    batcher = GenerateBatcher(model, tok.pad_token_id, tok.eos_token_id, max_wait_s=0.0, worker=False)
+    ran_on = []
+    generate = model.generate
+
+    def recording(*a, **kw):
+        ran_on.append(threading.current_thread())
+        return generate(*a, **kw)
+
+    model.generate = recording
+    try:
+        results, event = {}, ServingEvent(batcher)
+
+        def caller(name):
+            results[name] = batcher.generate(**tok("hi", return_tensors="pt"), max_new_tokens=2, do_sample=False,
+                                             pad_token_id=tok.pad_token_id)
+            event.set()
+
+        first = threading.Thread(target=caller, args=("first",))
+        first.start()
+        assert event.wait(WAIT)  # served here, on this thread, until the caller got its result
+        first.join(WAIT)
+        assert results["first"].shape[1] == tok("hi", return_tensors="pt")["input_ids"].shape[1] + 2
+        assert ran_on == [threading.current_thread()]
+        late = threading.Thread(target=caller, args=("late",))
+        late.start()  # nobody serves it yet: its call waits
+        late.join(0.2)
+        assert late.is_alive() and "late" not in results
+        batcher.start_worker()
+        late.join(WAIT)
+        assert "late" in results and ran_on[-1] is batcher.worker
+    finally:
+        model.generate = generate
+        batcher.close()

@@ -148,6 +148,7 @@ def _alternate(first, second, repeats):
 def profile(overrides: list[str]) -> None:
     """Real training steps, with the parts of each timed (the code unchanged)."""
     from grpo_pipeline.api import train
+    from grpo_pipeline.envs import runner
     from grpo_pipeline.rollout import decode as sampler
     from grpo_pipeline.rollout import policy_copy as merged
     from grpo_pipeline.rollout import turns as rollout
@@ -158,6 +159,8 @@ def profile(overrides: list[str]) -> None:
     for owner, name, label in (
         (trainer.PipelineTrainer, "training_step", "training step"),
         (rollout.Rollout, "run", "rollout"),
+        (runner.EpisodeRunner, "run_episodes", "env scoring"),  # a seed-style env's own turns run here
+        (rollout.Rollout, "sample_for_env", "  env calls"),  # its recorded calls, by the decode loop
         (rollout, "decode", "  decode loop"),  # rollout.py calls sampler.decode by this name
         (merged.MergedCopy, "of", "  copy refresh"),
         (rollout.SharedPrefix, "build", "  prefix prefill"),

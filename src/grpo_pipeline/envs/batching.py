@@ -19,6 +19,7 @@ seed-style env's turns, recorder.py) has its rows' sampled tokens and log-probs 
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -52,7 +53,7 @@ class _Call:
 
 class GenerateBatcher:
     def __init__(self, model, pad_token_id: int, eos_token_id: int | list[int] | None, max_wait_s: float = 0.02,
-                 fast=None):
+                 fast=None, worker: bool = True):
         self.model = model
         # fast(sequences, max_new_tokens, sampling, eos_ids) -> (ids, log-probs) per sequence, or None: the runtime's
         # decode loop on its sampling copy (rollout/turns.py), used for calls whose samples are recorded
@@ -67,8 +68,20 @@ class GenerateBatcher:
         self.calls = 0
         self.batches = 0
         self.running = True
-        self.worker = threading.Thread(target=self._loop, daemon=True)
-        self.worker.start()
+        # who runs the merged calls: a thread of the batcher's own, or (worker=False) a thread that waits in `serve`,
+        # e.g. the runtime's main thread while its episodes run (`ServingEvent`): on a thread other than the main one,
+        # torch's OpenMP/MKL kernels ran SmolLM2's decode ~1.3x slower (AMD EPYC Zen 3, 2 cores; docs/results.md)
+        self.worker: threading.Thread | None = None
+        if worker:
+            self.start_worker()
+
+    def start_worker(self) -> None:
+        """Run the calls on a thread of the batcher's own from now on (once no caller serves them: the calls that
+        episodes abandoned after their batch may still make)."""
+        with self.cond:
+            if self.worker is None:
+                self.worker = threading.Thread(target=self._loop, daemon=True)
+                self.worker.start()
 
     # --- the runtime's side ----------------------------------------------------------------------
     def episode_started(self) -> None:
@@ -90,11 +103,15 @@ class GenerateBatcher:
             call.done.set()
 
     def close(self) -> None:
-        """Stop taking calls; queued and running ones finish first (however long a generate takes)."""
+        """Stop taking calls; queued and running ones finish first (however long a generate takes): on the worker,
+        or without one on the calling thread."""
         with self.cond:
             self.running = False
             self.cond.notify_all()
-        self.worker.join()
+        if self.worker is not None:
+            self.worker.join()
+        else:
+            self._loop()
 
     # --- the env's side --------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
@@ -146,23 +163,40 @@ class GenerateBatcher:
         return _Call(owner, args, kwargs, input_ids, mask, gen_kwargs, limit, eos_ids, recorder)
 
     # --- the worker ------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while self.running and not self._ready():
-                    timeout = None
-                    if self.pending:
-                        timeout = max(0.0, self.pending[0].created + self.max_wait_s - time.monotonic())
-                    self.cond.wait(timeout=timeout)
-                if not self.running and not self.pending:
-                    return
-                batch, self.pending = self.pending, []
+    def serve(self, until: Callable[[], bool], timeout: float | None = None, drain: bool = False) -> bool:
+        """Run the queued calls on the calling thread, merged, as they become ready, until `until()` (read under the
+        batcher's lock: whoever makes it true does so under `cond` and notifies it) or `timeout` seconds. With
+        `drain`, the calls still queued once `until()` holds run first. Returns until()."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (batch := self._take(until, deadline, drain)) is not None:
             groups: dict[tuple, list[_Call]] = defaultdict(list)
             for call in batch:
                 groups[call.key].append(call)
             for calls in groups.values():
                 for comparable in _by_limit(calls):  # shortest first: a short call never waits on a long one
                     self._run(comparable)
+        return until()
+
+    def _take(self, until: Callable[[], bool], deadline: float | None, drain: bool) -> list[_Call] | None:
+        """The calls to run next (all queued ones), or None to stop serving."""
+        with self.cond:
+            while True:
+                stop = until()
+                if stop and (not drain or not self.pending):
+                    return None
+                if self.pending and (stop or self._ready()):
+                    batch, self.pending = self.pending, []
+                    return batch
+                now = time.monotonic()
+                wait = self.pending[0].created + self.max_wait_s - now if self.pending else None
+                if deadline is not None:
+                    if deadline <= now:
+                        return None
+                    wait = deadline - now if wait is None else min(wait, deadline - now)
+                self.cond.wait(timeout=None if wait is None else max(0.0, wait))
+
+    def _loop(self) -> None:
+        self.serve(lambda: not self.running, drain=True)
 
     def _ready(self) -> bool:
         if not self.pending:
@@ -204,6 +238,8 @@ class GenerateBatcher:
         except BaseException as e:  # every waiting episode learns of it; none waits forever
             for call in calls:
                 call.error = call.error or e
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: the thread serving stops with it
+                raise
         finally:
             for call in calls:
                 call.done.set()
@@ -286,6 +322,29 @@ class GenerateBatcher:
                 f"{first_ids}): {type(e).__name__}: {e}"
             )
             call.error.__cause__ = e
+
+
+class ServingEvent:
+    """A `threading.Event` for `run_bounded` (bounded.py) whose `wait` serves the batcher's calls on the waiting
+    thread meanwhile: the thread that waits for the episodes runs their merged generate calls."""
+
+    def __init__(self, batcher: GenerateBatcher):
+        self._batcher, self._flag = batcher, False
+
+    def set(self) -> None:
+        with self._batcher.cond:
+            self._flag = True
+            self._batcher.cond.notify_all()
+
+    def clear(self) -> None:
+        with self._batcher.cond:
+            self._flag = False
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._batcher.serve(lambda: self._flag, timeout)
 
 
 SHORT_EXTRA = 32  # a call of limit n merges with calls of at most max(2n, n + SHORT_EXTRA) new tokens

@@ -35,14 +35,17 @@ class Episode:
 
 def run_bounded(fns: list[Callable[[Episode], Any]], max_workers: int, timeout_s: float,
                 on_start: Callable[[int], None] = lambda i: None,
-                on_timeout: Callable[[int], None] = lambda i: None) -> list[Episode]:
+                on_timeout: Callable[[int], None] = lambda i: None, changed: threading.Event | None = None
+                ) -> list[Episode]:
     """Run fns on at most max_workers daemon threads; an fn running longer than timeout_s is abandoned.
     `on_start(i)` is called for every fn of a wave before any of its threads starts; `on_timeout(i)` at
-    the moment fn i is abandoned."""
+    the moment fn i is abandoned. `changed`: what the calling thread waits on between its checks (set when an fn
+    ends), e.g. one that does the episodes' work meanwhile (batching.py `ServingEvent`): its wait may return late,
+    so an fn found ended past its timeout counts as abandoned too."""
     episodes = [Episode(fn) for fn in fns]
     waiting = list(reversed(range(len(episodes))))
     running: set[int] = set()
-    changed = threading.Event()
+    changed = changed if changed is not None else threading.Event()
     while waiting or running:
         changed.clear()  # before the scan below: a completion after it still wakes the wait
         wave = [waiting.pop() for _ in range(min(len(waiting), max(1, max_workers) - len(running)))]
@@ -55,10 +58,11 @@ def run_bounded(fns: list[Callable[[Episode], Any]], max_workers: int, timeout_s
         now = time.monotonic()
         for i in list(running):
             ep = episodes[i]
-            if ep.done:
+            if ep.done and ep.seconds < timeout_s:
                 running.discard(i)
-            elif now - ep.started >= timeout_s:
-                ep.timed_out, ep.seconds, ep.timed_out_waiting = True, now - ep.started, ep.waiting_for_lock
+            elif ep.done or now - ep.started >= timeout_s:  # (ended past its timeout: `changed` was busy, see above)
+                ep.timed_out, ep.timed_out_waiting = True, ep.waiting_for_lock
+                ep.seconds = ep.seconds if ep.done else now - ep.started
                 running.discard(i)
                 on_timeout(i)
         if running:

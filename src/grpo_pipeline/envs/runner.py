@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grpo_pipeline.config.schema import RuntimeConfig
-from grpo_pipeline.envs.batching import GenerateBatcher
+from grpo_pipeline.envs.batching import GenerateBatcher, ServingEvent
 from grpo_pipeline.envs.bounded import Episode, run_bounded
 from grpo_pipeline.envs.failures import FailureBudget
 from grpo_pipeline.envs.loader import env_name
@@ -156,6 +156,7 @@ class EpisodeRunner:
                 eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
                 max_wait_s=self.cfg.batch_wait_ms / 1000,
                 fast=self.fast_generate if recorders is not None else None,
+                worker=False,  # this thread serves the calls while it waits for the episodes (ServingEvent)
             )
         in_flight = InFlight()
         sampling = self.sampling if sampling is None else sampling
@@ -171,11 +172,14 @@ class EpisodeRunner:
                    for h, c, row, s in zip(handles, completions, rows, skip, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
                                    on_start=lambda i: handles[i].join_batcher(),  # the batcher waits for the wave
-                                   on_timeout=lambda i: handles[i].revoke(self._abandoned(i)))
+                                   on_timeout=lambda i: handles[i].revoke(self._abandoned(i)),
+                                   changed=ServingEvent(batcher) if batcher is not None else None)
         finally:
             for i, handle in enumerate(handles):
                 handle.revoke(f"episode {i} of {self.env_name} ended with its batch (the batch was scored); "
                               "it can no longer use the model. Keep no reference to `model` beyond score_episode.")
+            if batcher is not None and in_flight.count:
+                batcher.start_worker()  # calls of abandoned episodes still running: nobody else serves them
             try:
                 in_flight.wait_idle(self.cfg.call_deadline_s)  # raises past the deadline: the run stops
             finally:
