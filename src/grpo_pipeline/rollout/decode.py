@@ -104,9 +104,9 @@ class RowCache:
 
     def truncated(self, tokens: int) -> "RowCache":
         """The cache of the sequence's first `tokens` tokens (the columns of the others masked out)."""
+        if tokens >= self.tokens:  # (masks are never written in place: sharing one is safe)
+            return RowCache(self.layers, self.mask, self.tokens)
         mask = self.mask.clone()
-        if tokens >= self.tokens:
-            return RowCache(self.layers, mask, self.tokens)
         mask[int(mask.nonzero()[tokens]) if tokens else 0:] = 0
         return RowCache(self.layers, mask, tokens)
 
