@@ -326,6 +326,43 @@ def test_a_turn_that_continues_the_conversation_is_trained_on_its_episodes_row(c
         assert torch.allclose(forced, sampled, atol=1e-3)
 
 
+@pytest.mark.parametrize("whole_conversation", [False, True])
+def test_the_kl_terms_reference_log_probs_cover_every_row_trained(compose_cfg, tmp_path, monkeypatch,
+                                                                  whole_conversation):
+    """With a KL term (loss=grpo), the reference log-probs are computed once, after the env's turns joined the
+    batch (rows of their own) or grew their episode's row (chained): TRL's own pass before scoring is skipped, and
+    every row trained, each token, carries the reference model's log-prob of it."""
+    from trl import GRPOTrainer
+
+    betas, generate_and_score = [], GRPOTrainer._generate_and_score_completions
+
+    def trl_pass(self, inputs):
+        betas.append(self.beta)
+        return generate_and_score(self, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", trl_pass)
+    result, batches, losses, _ = _train(compose_cfg, tmp_path, monkeypatch,
+                                        env=SeedEnv(whole_conversation=whole_conversation))
+    trainer, model, _ = losses[0]
+    assert betas == [0.0, 0.0] and trainer.beta == pytest.approx(0.04)  # loss=grpo's kl_coef, back for the loss
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(result.mlflow_run_id).data.metrics
+    assert metrics["env/turn_samples_chained" if whole_conversation else "env/turn_samples"] > 0
+    model = trainer.accelerator.unwrap_model(model)
+    checked = 0
+    for out in batches:
+        assert out["ref_per_token_logps"].shape == out["completion_ids"].shape
+        for r in range(out["advantages"].size(0)):
+            length = int(out["completion_mask"][r].sum())
+            p = out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
+            with model.disable_adapter():  # the reference of a LoRA run: the base model, adapter off
+                forced = _teacher_forced(model, p, out["completion_ids"][r, :length].tolist(), trainer.temperature)
+            assert torch.allclose(forced, out["ref_per_token_logps"][r, :length], atol=1e-4), r
+            checked += 1
+    assert checked == sum(b["advantages"].size(0) for b in batches)
+
+
 def test_train_env_calls_false_trains_the_first_reply_alone(compose_cfg, tmp_path, monkeypatch):
     result, batches, _, _ = _train(compose_cfg, tmp_path, monkeypatch, ["runtime.train_env_calls=false"])
     assert result.steps == 2 and all(b["advantages"].size(0) == 4 for b in batches)

@@ -159,6 +159,8 @@ class PipelineTrainer(GRPOTrainer):
                                       for x in batch])  # as TRL does, less the fields rollout_func added to the rows
                 if self.ledger is not None:
                     self._record_episodes(rows, batch_logs)
+        if self.beta != 0.0:  # the KL term's reference log-probs, once for each row trained (_reference_deferred)
+            out["ref_per_token_logps"] = self._teacher_forced(out, reference=True, training=training)
         return out
 
     def _sample_round(self, inputs) -> tuple[dict, dict]:
@@ -168,7 +170,8 @@ class PipelineTrainer(GRPOTrainer):
             value.clear()
         if self.runner is not None:
             self.runner.last_batch.pop("turn_samples", None)  # the runner replaces last_batch when it scores
-        out = super()._generate_and_score_completions(inputs)
+        with _reference_deferred(self):
+            out = super()._generate_and_score_completions(inputs)
         last = self.runner.last_batch if self.runner is not None else {}
         turns = last.get("turn_samples")
         n = out["advantages"].size(0)
@@ -207,9 +210,9 @@ class PipelineTrainer(GRPOTrainer):
 
     def _with_turn_rows(self, out: dict) -> dict:
         """The batch with a row for every turn the env sampled in the episodes it trains (training/turn_samples.py),
-        each with its episode's advantage. The log-probs TRL computed for the other rows before scoring (old,
-        reference) are computed for these with the same model; vLLM's importance-sampling ratio is 1 (the env's
-        calls sampled from the policy itself)."""
+        each with its episode's advantage. The old log-probs TRL computed for the other rows before scoring are
+        computed for these with the same model (the reference ones, for every row, at the end: _reference_deferred);
+        vLLM's importance-sampling ratio is 1 (the env's calls sampled from the policy itself)."""
         index = out.pop("turn_episode").tolist()
         metrics = self._metrics["train"]
         pad = self._tokenizer.pad_token_id or 0
@@ -225,8 +228,6 @@ class PipelineTrainer(GRPOTrainer):
         if "old_per_token_logps" in out:
             rows["old_per_token_logps"] = (rows["sampling_per_token_logps"] if self.behaviour_logps
                                            else self._teacher_forced(rows))
-        if "ref_per_token_logps" in out:
-            rows["ref_per_token_logps"] = self._teacher_forced(rows, reference=True)
         if "importance_sampling_ratio" in out:
             ratio = out["importance_sampling_ratio"]
             width = 1 if ratio.size(1) == 1 else rows["completion_ids"].size(1)
@@ -249,7 +250,7 @@ class PipelineTrainer(GRPOTrainer):
 
     def _chained(self, out: dict, samples: list, pad: int) -> tuple[dict, list, list[int]]:
         """`out` with the samples that continue their episode's row token-exactly appended to it
-        (training/turn_samples.py `chained`), and the old / reference log-probs of the rows that grew."""
+        (training/turn_samples.py `chained`), and the old log-probs of the rows that grew."""
         new, rest, grown = chained(out, samples, pad, self.mask_truncated_completions)
         if not grown:
             return out, rest, grown
@@ -259,16 +260,15 @@ class PipelineTrainer(GRPOTrainer):
                 new["old_per_token_logps"] = new["sampling_per_token_logps"]
             else:
                 new["old_per_token_logps"][grown] = self._teacher_forced(sub)
-        if "ref_per_token_logps" in new:
-            new["ref_per_token_logps"][grown] = self._teacher_forced(sub, reference=True)
         new["num_items_in_batch"] = out["num_items_in_batch"] + loss_mask(new).sum() - loss_mask(out).sum()
         return new, rest, grown
 
-    def _teacher_forced(self, rows: dict, reference: bool = False) -> torch.Tensor:
+    def _teacher_forced(self, rows: dict, reference: bool = False, training: bool = True) -> torch.Tensor:
         """Per-token log-probs of rows' completions under the policy (or the reference model), as TRL computes them."""
         ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
         mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
-        keep, size = rows["completion_ids"].size(1), self.args.per_device_train_batch_size
+        keep = rows["completion_ids"].size(1)
+        size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
         with torch.no_grad():
             if not reference:
                 return self._get_per_token_logps_and_entropies(self.model, ids, mask, keep, size)[0]
@@ -391,6 +391,19 @@ def _batch_totals(trainer, logs: dict, n: int) -> list[float | None] | None:
     if not rewards or any(len(c) != n for c in rewards.values()) or aggregation != "sum_then_normalize":
         return None
     return reward_totals(rewards, trainer.reward_weights.tolist())
+
+
+@contextmanager
+def _reference_deferred(trainer):
+    """TRL computes the reference log-probs of every row it samples before the rows are scored. The pipeline then
+    drops rows (dynamic sampling), grows rows (an env's turns chained onto its episode's row) and adds rows (the
+    env's own turns): the reference log-probs are computed once, for the rows trained, at the end of
+    `_generate_and_score_completions`. TRL reads `beta` there only to decide whether to compute them."""
+    beta, trainer.beta = trainer.beta, 0.0
+    try:
+        yield
+    finally:
+        trainer.beta = beta
 
 
 @contextmanager
