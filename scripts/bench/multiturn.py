@@ -31,6 +31,7 @@ from hydra.core.global_hydra import GlobalHydra
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv
+from grpo_pipeline.evaluation.heldout import split_heldout
 from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
@@ -68,6 +69,35 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
             "rewards": r.rewards, "wall_s": wall}
 
 
+def scripted(cfg) -> dict[str, tuple[float, float]]:
+    """Held-out (mean reward, success) of two scripted policies on the runs' test requests, scored by the env's own
+    reward: what a learned policy's numbers mean. "first listed": search with the guest's city, guests and price cap,
+    then book the first room the search lists (a positional shortcut, blind to the wished features); "oracle": the
+    same search, then the first listed room that meets every wish."""
+    env = HotelEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
+    test = split_heldout(env.build_dataset(None), cfg.eval, "hotel").test
+    scores: dict[str, list[float]] = {"first listed": [], "oracle": []}
+    for request in test["request"]:
+        search = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
+        messages = [{"role": "assistant", "content": _call("search_rooms", search)}]
+        messages.append(env.reply(messages, request))
+        listed = env.search_rooms(**search)
+        fits = [r for r in listed if _fits(env, r, request)] or listed
+        for name, room in (("first listed", listed[0]), ("oracle", fits[0])):
+            episode = [*messages, {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})}]
+            scores[name].append(env.score_episode(None, None, episode, request))
+    return {name: (statistics.fmean(s), statistics.fmean(x == 1.0 for x in s)) for name, s in scores.items()}
+
+
+def _fits(env: HotelEnv, room: dict, request: dict) -> bool:
+    met, total = env.wishes_met(room, request)
+    return met == total
+
+
+def _call(name: str, arguments: dict) -> str:
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -80,15 +110,18 @@ def main() -> None:
     register_configs()
     out = Path("outputs/bench_multiturn") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        reference = scripted(compose("train", overrides=["env=hotel", *args.overrides]))
     rows = []
     for seed in args.seeds:
         for mode in args.modes:
             rows.append(run(mode, seed, args.minutes, args.overrides, out))
             (out / "results.json").write_text(json.dumps(rows, indent=1, default=str))
-            report(rows, args)
+            report(rows, args, reference)
 
 
-def report(rows: list[dict], args) -> None:
+def report(rows: list[dict], args, reference: dict[str, tuple[float, float]]) -> None:
     print()
     harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
     table = harness.Table("mode      ", "seed", "mean reward", "gain (+- SE)", "success", "steps", "s/step",
@@ -111,6 +144,8 @@ def report(rows: list[dict], args) -> None:
             print(f"{mode}: success after mean {statistics.fmean(after):.3f}{spread}, min {min(after):.3f}; "
                   f"lift mean {statistics.fmean(lifts):+.3f}, min {min(lifts):+.3f}; "
                   f"s/step mean {statistics.fmean(r['s_per_step'] for r in mine):.1f}")
+    for name, (mean, success) in reference.items():
+        print(f"scripted, {name}: held-out mean reward {mean:.3f}, success {success:.2f}")
 
 
 if __name__ == "__main__":
