@@ -51,6 +51,9 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
             # a step: 8 episodes (2 requests x 4), up to 3 turns of 64 tokens, as in issue 13
             "training.batch_size=8", "generation.oversample=1", "generation.max_new_tokens=64",
             "eval.every_steps=0", f"output_dir={out / f'{mode}-seed{seed}'}",
+            # every run gets the same wall-clock budget and its held-out score after: a run that loses its signal
+            # (flat groups) goes on training, instead of stopping before its "after" evaluation
+            "training.no_signal.enabled=false",
             "tracking.experiment_name=bench_multiturn", *MODES[mode][1], *overrides])
     env_kwargs = {k: v for k, v in cfg.env.items() if k != "_target_"}
     started = time.monotonic()
