@@ -222,6 +222,29 @@ def test_hotel_respond_runs_tools_and_scores_the_transcript():
     assert env.episode_metrics(transcript, request) == {"tool_calls": 2.0, "malformed_tool_calls": 0.0}
 
 
+def test_hotel_score_turn_credits_only_this_episodes_search_and_listed_booking():
+    # the runtime passes the whole conversation: the opening's worked example (a Porto search listing POR-101, then
+    # its booking) comes first and must earn nothing, or copying its booking without searching pays every turn
+    env = HotelEnv()
+    request = next(r["request"] for r in env.build_dataset(build_tiny_tokenizer()) if r["request"]["city"] == "Porto")
+    opening = env._opening(request)
+    assert any(m["role"] == "tool" and "POR-101" in m["content"] for m in opening)  # what the example shows
+    args = {k: request[k] for k in ("city", "guests", "max_price")}
+    search = {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'}
+
+    def book(room_id):
+        return {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": room_id}})}</tool_call>'}
+
+    assert env.score_turn([*opening, book("POR-101")], request) == 0.0  # the example's room, never searched for
+    assert env.score_turn([*opening, search], request) == 0.1  # the episode's first search in the guest's city
+    reply = env.respond([search], request)
+    listed = reply["content"].splitlines()[0].split(":")[0]
+    assert env.score_turn([*opening, search, reply, book(listed)], request) == 0.1  # a room its own search listed
+    assert env.score_turn([*opening, search, reply, search], request) == 0.0  # a second search earns nothing
+    unlisted = next(i for i in env.rooms if i.startswith("POR") and i not in reply["content"])
+    assert env.score_turn([*opening, search, reply, book(unlisted)], request) == 0.0
+
+
 def test_a_multi_turn_run_resumes_from_its_checkpoint(compose_cfg, tmp_path):
     overrides = [*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "training.save_steps=1"]
     first = recipe.train(compose_cfg([*overrides, "training.max_steps=1"]), launch_dir=str(tmp_path), env=ToolEnv())

@@ -12,6 +12,10 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
 (0.3 + 0.6 * share for any real room beat the 0.2 of a search; docs/results.md, multi-turn).
+A search lists rooms in a fixed order, so "search with the guest's city, guests and price cap, book the first room
+listed" (blind to the wished features) scores 1.0 on easy and, on normal, 0.896 mean / 0.58 success on the default
+test requests: every normal-difficulty run that learned so far stopped exactly there (scripts/bench/multiturn.py
+prints this scripted policy's figures beside the runs).
 """
 
 import json
@@ -176,6 +180,7 @@ class HotelEnv:
         """runtime.turn_credit=turn: a little credit (0.1) for an assistant turn whose tool call is useful, the
         episode's first search in the guest's city or the booking of a room a search showed; 0 otherwise. The
         episode's reward (up to 1) still decides; this only tells which turn helped."""
+        messages = _episode(messages, request)  # the worked example's search and POR-101 listing are not this episode's
         calls = parse_tool_calls(messages[-1].get("content") or "") or []
         earlier = [c for m in messages[:-1] if m.get("role") == "assistant" for c in parse_tool_calls(m["content"]) or []]
         shown = {line.split(":", 1)[0] for m in messages if m.get("role") == "tool"
@@ -224,6 +229,14 @@ def _ask(request: dict) -> str:
     wish = f", with {' and '.join(request['features'])}" if request["features"] else ""
     return (f"Hi! I need a room in {request['city']} for {request['guests']} guest(s), "
             f"at most {request['max_price']} EUR per night{wish}.")
+
+
+def _episode(messages: list[dict], request: dict) -> list[dict]:
+    """The messages after the guest's request (score_turn gets the whole conversation, the opening's worked example
+    included); all of them when the request is not among them."""
+    ask = _ask(request)
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user" and m.get("content") == ask]
+    return messages[starts[-1] + 1:] if starts else messages
 
 
 def _as_number(value, default: float) -> float:
