@@ -98,6 +98,24 @@ class HonestWithExample(_WithExample):
     def score_episode(self, model, tokenizer, completion, secret):
         return 1.0 if secret in completion else 0.0
 
+class _Turns(_WithExample):  # multi-turn (the runtime plays the turns); one turn, then done
+    max_turns, turn_max_new_tokens = 2, 6
+    def respond(self, messages, secret):
+        return None
+    def score_episode(self, model, tokenizer, completion, secret):
+        return 1.0 if secret in "".join(m["content"] for m in completion if m["role"] == "assistant") else 0.0
+
+class PaysTheExampleTurn(_Turns):  # planted turn-credit hole: a turn repeating any earlier reply of the conversation
+    def score_turn(self, messages, secret):  # pays, the worked example's included (env=hotel's bug, 2026-12-07)
+        earlier = [m["content"] for m in messages[:-1] if m["role"] == "assistant"]
+        return 0.5 if messages[-1]["content"].strip() in earlier else 0.0
+
+class HonestTurns(_Turns):  # the same, over this episode's turns only (after the last user message)
+    def score_turn(self, messages, secret):
+        start = max(i for i, m in enumerate(messages) if m["role"] == "user") + 1
+        earlier = [m["content"] for m in messages[start:-1] if m["role"] == "assistant"]
+        return 0.5 if messages[-1]["content"].strip() in earlier else 0.0
+
 class Graded(_Base):      # spread within groups: the completion's length decides
     def score_episode(self, model, tokenizer, completion, secret):
         return min(1.0, len(completion) / 40)
@@ -144,6 +162,15 @@ def test_doctor_flags_a_reward_for_copying_the_worked_example(compose_cfg, plant
     honest = _doctor(compose_cfg, planted, "HonestWithExample")
     assert re.search(r"worked example copied\s+0\.000", honest.text())  # probed, and earns nothing
     assert not any("exploit" in w for w in honest.warnings), honest.warnings
+
+
+def test_doctor_flags_a_turn_score_for_copying_the_worked_example(compose_cfg, planted):
+    report = _doctor(compose_cfg, planted, "PaysTheExampleTurn")
+    assert any(w.startswith("possible turn-credit exploit: score_turn pays a 'worked example copied' first turn")
+               and "0.500" in w for w in report.warnings), report.warnings
+    honest = _doctor(compose_cfg, planted, "HonestTurns")
+    assert re.search(r"turn-credit probes .*\n(.*\n)*\s+worked example copied\s+0\.000", honest.text()), honest.text()
+    assert not any("turn-credit exploit" in w for w in honest.warnings), honest.warnings
 
 
 def test_learnability_recommends_a_group_size(compose_cfg, planted):

@@ -342,6 +342,45 @@ class Prober(Scorer):
                 r.warnings.append(f"possible reward exploit: '{name}' completions (e.g. {cases[0][1][:40]!r}) earn "
                                   f"{mean:.3f}, more than the base model's mean {base_mean:.3f}. GRPO will find it: "
                                   "make the reward require the real answer.")
+        if self.multi_turn and callable(getattr(self.runner.env, "score_turn", None)):
+            self.turn_exploits(r, prompts, rows, items, group, probes)
+
+    def turn_exploits(self, r: Report, prompts: list, rows: list[dict], items: list, group: int,
+                      probes: dict[str, list]) -> None:
+        """The same probes as first turns, scored by the env's score_turn (runtime.turn_credit=turn): warn when one
+        earns more than the base model's first turns do. (env=hotel's score_turn once paid the worked example's
+        booking copied, a room only the opening's example had listed: every run with turn credit collapsed onto it.)"""
+        def turn_scores(cases: list[tuple]) -> list[float]:
+            out = []
+            for prompt, text, row in cases:
+                opening = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                try:
+                    out.append(float(self.runner.env.score_turn([*opening, {"role": "assistant", "content": text}],
+                                                                **row)))
+                except Exception as e:  # noqa: BLE001 (an env's own code: reported, never fatal to the report)
+                    r.warnings.append(f"score_turn raised {e.__class__.__name__}: {e} on {text[:40]!r}: an env "
+                                      "should score any turn the model may write, not raise.")
+                    return []
+            return out
+
+        firsts = [next((m["content"] for m in x if m.get("role") == "assistant"), "") if isinstance(x, list) else x
+                  for x in items]
+        base = turn_scores([(prompts[i // group], firsts[i], rows[i // group]) for i in range(len(firsts))])
+        if not base:
+            return
+        base_mean = statistics.fmean(base)
+        r.lines.append(f"turn-credit probes (score_turn of a first turn; base model's first turns {base_mean:.3f}):")
+        for name, cases in probes.items():
+            scores = turn_scores(cases)
+            if not scores:
+                return
+            mean = statistics.fmean(scores)
+            r.lines.append(f"    {name:<22} {mean:.3f}")
+            if mean > base_mean + 1e-9:
+                r.warnings.append(f"possible turn-credit exploit: score_turn pays a '{name}' first turn (e.g. "
+                                  f"{cases[0][1][:40]!r}) {mean:.3f}, more than the base model's first turns "
+                                  f"{base_mean:.3f}. runtime.turn_credit=turn will find it: score only what this "
+                                  "episode did (the messages after its opening).")
 
     def _probes(self, prompt, good: str) -> dict[str, str]:
         tags = re.findall(r"<(\w+)>(.*?)</\1>", good, re.DOTALL)
