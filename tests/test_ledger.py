@@ -49,6 +49,10 @@ def test_every_episode_is_recorded_with_what_grpo_saw(finished_run):
     logged = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "reward")}
     for step in (1, 2):
         assert statistics.fmean(e["reward"] for e in train if e["step"] == step) == pytest.approx(logged[step], abs=1e-5)
+    # loss=dapo masks episodes cut by the token budget: the ledger says which (single-turn: no EOS = TRL's "clipped")
+    clipped = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "completions/clipped_ratio")}
+    for step in (1, 2):
+        assert statistics.fmean(e["masked"] for e in train if e["step"] == step) == pytest.approx(clipped[step])
     held = {(e["split"], e["step"]) for e in entries if e["split"] != "train"}
     assert held == {("test_before", 0), ("val", 1), ("val", 2), ("test_after", 2)}
     assert sum(e["split"] == "test_after" for e in entries) == 5
@@ -71,6 +75,9 @@ def test_episodes_cli_filters_and_follows_a_prompt(finished_run, capsys):
     episodes.main([run])
     out = capsys.readouterr().out
     assert "test_before      0        5" in out and "train            2        4" in out
+    step2 = [e for e in read(tmp_path / "run" / "episodes.jsonl") if e["split"] == "train" and e["step"] == 2]
+    columns = out.split("train            2")[1].split()  # episodes, mean reward, failures, masked
+    assert columns[3] == str(sum(e["masked"] for e in step2))
     episodes.main([run, "--split", "train", "--steps", "2", "--limit", "0"])
     assert capsys.readouterr().out.count("[train step 2]") == 4
     entries = read(tmp_path / "run" / "episodes.jsonl")

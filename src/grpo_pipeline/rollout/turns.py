@@ -346,8 +346,13 @@ def _check_template(rollout: "Rollout", prompt, model_name: str) -> None:
 
 
 def _conversation(t: Trajectory) -> list[dict]:
-    opening = t.prompt if isinstance(t.prompt, list) else [{"role": "user", "content": t.prompt}]
-    return list(opening) + t.messages
+    return conversation(t.prompt, t.messages)
+
+
+def conversation(prompt, messages: list[dict]) -> list[dict]:
+    """What the env's respond and score_turn get: the opening (a prompt string is one user message) and the turns."""
+    opening = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return list(opening) + list(messages)
 
 
 def _as_messages(reply, env) -> list[dict] | None:

@@ -350,13 +350,14 @@ class Prober(Scorer):
         """The same probes as first turns, scored by the env's score_turn (runtime.turn_credit=turn): warn when one
         earns more than the base model's first turns do. (env=hotel's score_turn once paid the worked example's
         booking copied, a room only the opening's example had listed: every run with turn credit collapsed onto it.)"""
+        from grpo_pipeline.rollout.turns import conversation
+
         def turn_scores(cases: list[tuple]) -> list[float]:
             out = []
             for prompt, text, row in cases:
-                opening = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                turn = conversation(prompt, [{"role": "assistant", "content": text}])  # as the runtime calls it
                 try:
-                    out.append(float(self.runner.env.score_turn([*opening, {"role": "assistant", "content": text}],
-                                                                **row)))
+                    out.append(float(self.runner.env.score_turn(turn, **row)))
                 except Exception as e:  # noqa: BLE001 (an env's own code: reported, never fatal to the report)
                     r.warnings.append(f"score_turn raised {e.__class__.__name__}: {e} on {text[:40]!r}: an env "
                                       "should score any turn the model may write, not raise.")

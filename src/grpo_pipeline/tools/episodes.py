@@ -1,6 +1,6 @@
 """Read a run's episode ledger (`<run dir>/episodes.jsonl`, see tracking/ledger.py).
 
-    python -m grpo_pipeline episodes <run dir>                         # per split and step: n, mean reward, failures
+    python -m grpo_pipeline episodes <run dir>   # per split and step: n, mean reward, failures, masked
     python -m grpo_pipeline episodes <run dir> --show [--split train] [--steps 3:7] [--min-score 0.5]
                                               [--max-score 0.2] [--failures] [--limit 20] [--full]
     python -m grpo_pipeline episodes <run dir> --prompt <prompt id>   # one prompt's completions, first vs last step
@@ -65,12 +65,16 @@ def by_step(entries: list[dict]) -> list[tuple[str, int, list[int]]]:
 
 
 def summary(entries: list[dict]) -> str:
-    lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'mean reward':>11} {'failures':>8}"]
+    """Per split and step: episodes, mean reward, failures, and (train, under loss.mask_truncated_completions) how
+    many were masked whole: cut by the token budget, no token of them trained."""
+    lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'mean reward':>11} {'failures':>8} {'masked':>6}"]
     for split, step, idx in by_step(entries):
         group = [entries[i] for i in idx]
         rewards = [e["reward"] for e in group if e.get("reward") is not None]
         mean = f"{statistics.fmean(rewards):.3f}" if rewards else "-"
-        lines.append(f"{split:<12} {step:>5} {len(group):>8} {mean:>11} {sum(bool(e.get('failure')) for e in group):>8}")
+        masked = sum(bool(e.get("masked")) for e in group) if any("masked" in e for e in group) else "-"
+        lines.append(f"{split:<12} {step:>5} {len(group):>8} {mean:>11} "
+                     f"{sum(bool(e.get('failure')) for e in group):>8} {masked:>6}")
     return "\n".join(lines)
 
 
@@ -82,6 +86,8 @@ def show(e: dict, full: bool = False) -> str:
         head += f"  advantage {e['advantage']:+.3f}"
     if e.get("seconds") is not None:
         head += f"  {e['seconds']:.2f}s"
+    if e.get("masked"):
+        head += "  MASKED (cut by the token budget: no token trained)"
     if e.get("failure"):
         head += f"\n  FAILED: {e['failure']}"
     text = e["completion"] if full else _short(e["completion"], 400)

@@ -10,7 +10,9 @@ generated for; held-out: the step evaluated), `prompt_id` (sha1 of the prompt, 1
 prompt has the same id in every run), `prompt` (as the model saw it), `completion` (a multi-turn episode:
 every turn, `[role] content` per message; `messages` has them as a list), `reward` (the total GRPO saw), `rewards` (each component),
 `advantage` (train), `row` (the env's extra columns), `seconds` (scoring), `failure` (first line of the
-error, or null), `turns` (train, where it applies: runtime.turn_credit=turn, each assistant turn's `score` and
+error, or null), `masked` (train, under loss.mask_truncated_completions: true when the episode ran to the token
+budget without EOS, a multi-turn one in its last turn, so that no token of it was trained; it still counted in its
+group's baseline), `turns` (train, where it applies: runtime.turn_credit=turn, each assistant turn's `score` and
 `advantage`; a seed-style env, `sampled`, the turns its own generate calls sampled and training trained). Read it with `python -m grpo_pipeline episodes <run dir>`.
 """
 
@@ -79,7 +81,7 @@ class Ledger:
     def record(self, split: str, step: int, prompts: list, completions: list, rewards: dict[str, list],
                totals: list | None = None, advantages: list | None = None, rows: list | None = None,
                seconds: list | None = None, failures: list | None = None, transcripts: bool = False,
-               turns: list | None = None) -> None:
+               turns: list | None = None, masked: list | None = None) -> None:
         """One batch. `completions`: texts (or TRL's chat completions); with `transcripts`, a multi-turn
         episode's messages after the opening each (kept as `messages` too, for rescoring)."""
         from grpo_pipeline.envs.runner import completion_text
@@ -115,6 +117,8 @@ class Ledger:
             }
             if turns is not None and len(turns) == len(prompts):
                 entry["turns"] = turns[i]
+            if masked is not None and len(masked) == len(prompts):
+                entry["masked"] = bool(masked[i])
             lines.append(mask_secrets(json.dumps(entry, default=str)))
         with self.path.open("a") as f:  # one write per batch; a kill mid-write leaves one cut line at most
             f.write("".join(line + "\n" for line in lines))

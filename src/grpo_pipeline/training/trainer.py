@@ -188,6 +188,10 @@ class PipelineTrainer(GRPOTrainer):
             out["old_per_token_logps"] = out["sampling_per_token_logps"]
         logs = {k: ({n: list(v) for n, v in self._logs[k].items()} if isinstance(self._logs[k], dict)
                     else list(self._logs[k])) for k in ("prompt", "completion", "rewards", "advantages", "extra")}
+        if self.mask_truncated_completions and self.model.training:
+            # the ledger: episodes TRL kept out of the loss whole (cut by the token budget: no EOS at the end; for a
+            # multi-turn episode, its last turn's), though they still count in their group's baseline
+            logs["masked"] = self.accelerator.gather((out["completion_mask"].sum(dim=1) == 0).int()).tolist()
         if self.turn_credit and self.model.training and "tool_mask" in out:
             out["turn_advantages"] = self._turn_advantages(out, inputs, logs)
             logs["turns"] = [{"score": row.get("turn_scores"),
@@ -365,7 +369,7 @@ class PipelineTrainer(GRPOTrainer):
                            totals=totals, advantages=list(logs["advantages"]), rows=rows,
                            seconds=list(extra["seconds"]) if "seconds" in extra else None,
                            failures=list(extra["failure"]) if "failure" in extra else None,
-                           transcripts="transcript" in extra, turns=logs.get("turns"))
+                           transcripts="transcript" in extra, turns=logs.get("turns"), masked=logs.get("masked"))
 
 
 def _padded_to_multiple(rows: dict, total: int, multiple: int) -> dict:
