@@ -222,30 +222,6 @@ def test_hotel_respond_runs_tools_and_scores_the_transcript():
     assert env.episode_metrics(transcript, request) == {"tool_calls": 2.0, "malformed_tool_calls": 0.0}
 
 
-def test_hotel_unknown_room_error_lets_the_episode_go_on_and_scores_the_real_booking():
-    def call(name, **arguments):
-        return {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'}
-
-    ends, goes_on = HotelEnv(), HotelEnv(unknown_room="error")
-    request = ends.build_dataset(build_tiny_tokenizer())[0]["request"]
-    blind = call("book_room", room_id="LB-002")  # a room id that does not exist
-    assert ends.respond([blind], request) is None and ends.score_episode(None, None, [blind], request) == 0.1
-    reply = goes_on.respond([blind], request)
-    assert reply["role"] == "tool" and "no room 'LB-002'" in reply["content"] and "search_rooms" in reply["content"]
-    search = call("search_rooms", **{k: request[k] for k in ("city", "guests", "max_price")})
-    listed = goes_on.respond([blind, reply, search], request)
-    best = next(line.split(":")[0] for line in listed["content"].splitlines()
-                if goes_on.wishes_met(goes_on.rooms[line.split(":")[0]], request)[0] == 3 + len(request["features"]))
-    episode = [blind, reply, search, listed, call("book_room", room_id=best)]
-    assert goes_on.respond(episode, request) is None  # a real room: booked, done
-    assert goes_on.score_episode(None, None, episode, request) == 1.0  # the refused booking did not end it
-    assert ends.score_episode(None, None, episode, request) == 0.1  # under `end` the first booking decided
-    assert goes_on.score_episode(None, None, [blind, reply, search], request) == 0.2  # searched, nothing booked
-    assert goes_on.respond([call("book_room", room_id="POR-101")], request) is None  # a real room: booked
-    with pytest.raises(ValueError, match="unknown_room"):
-        HotelEnv(unknown_room="retry")
-
-
 def test_hotel_score_turn_credits_only_this_episodes_search_and_listed_booking():
     # the runtime passes the whole conversation: the opening's worked example (a Porto search listing POR-101, then
     # its booking) comes first and must earn nothing, or copying its booking without searching pays every turn

@@ -12,11 +12,6 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
 (0.3 + 0.6 * share for any real room beat the 0.2 of a search; docs/results.md, multi-turn).
-`unknown_room=error` (default `end`): booking a room id that does not exist gets an error reply and the episode
-goes on, as a real booking API answers; with `end` such a booking ends the episode (0.1, or 0.2 after a search).
-SmolLM2's first turns are often such blind bookings (28-67% of the episodes of the first 15 steps in the 20-minute
-runs of 2026-12-07, nearly all of room ids that do not exist), and with `end` each of them ends its episode before
-any search: a run finds the search only in the rarer episodes that open otherwise.
 A search lists rooms in a fixed order, so "search with the guest's city, guests and price cap, book the first room
 listed" (blind to the wished features) scores 1.0 on easy and, on normal, 0.896 mean / 0.58 success on the default
 test requests: every normal-difficulty run that learned so far stopped exactly there (scripts/bench/multiturn.py
@@ -61,18 +56,14 @@ class HotelEnv:
         turn_max_new_tokens: int = 64,
         num_shot: int = 1,
         seed: int = 0,
-        unknown_room: str = "end",
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
-        if unknown_room not in ("end", "error"):
-            raise ValueError(f"unknown_room={unknown_room!r}; use end (a booking of a room that does not exist ends "
-                             "the episode) or error (the env answers with an error and the episode goes on)")
         if max_turns < 1:
             raise ValueError("max_turns must be >= 1")
         self.num_samples, self.max_turns, self.difficulty = num_samples, max_turns, difficulty
         self.turn_max_new_tokens = turn_max_new_tokens
-        self.num_shot, self.unknown_room = num_shot, unknown_room
+        self.num_shot = num_shot
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -177,10 +168,6 @@ class HotelEnv:
         for call in calls:
             name, args = call.get("name"), call.get("arguments", {})
             if name == "book_room":
-                room_id = str(args.get("room_id"))
-                if self.unknown_room == "error" and room_id not in self.rooms:  # as a booking API would answer
-                    results.append(f"error: there is no room {room_id!r}; search_rooms lists the rooms that match")
-                    continue
                 return None
             if name == "search_rooms":
                 found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
@@ -225,8 +212,6 @@ class HotelEnv:
                 elif call.get("name") == "book_room":
                     room_id = str(args.get("room_id"))
                     booked = self.rooms.get(room_id)
-                    if booked is None and self.unknown_room == "error":
-                        continue  # the env refused it and the episode went on: not a booking
                     if booked is None or room_id not in shown:
                         return 0.2 if searched else 0.1
                     met, total = self.wishes_met(booked, request)
