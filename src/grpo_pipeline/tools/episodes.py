@@ -66,7 +66,7 @@ def by_step(entries: list[dict]) -> list[tuple[str, int, list[int]]]:
 
 def summary(entries: list[dict]) -> str:
     """Per split and step: episodes, mean reward, failures, and (train, under loss.mask_truncated_completions) how
-    many were masked whole: cut by the token budget, no token of them trained."""
+    many TRL kept out of the loss whole (cut by the token budget; see tracking/ledger.py)."""
     lines = [f"{'split':<12} {'step':>5} {'episodes':>8} {'mean reward':>11} {'failures':>8} {'masked':>6}"]
     for split, step, idx in by_step(entries):
         group = [entries[i] for i in idx]
@@ -87,7 +87,7 @@ def show(e: dict, full: bool = False) -> str:
     if e.get("seconds") is not None:
         head += f"  {e['seconds']:.2f}s"
     if e.get("masked"):
-        head += "  MASKED (cut by the token budget: no token trained)"
+        head += "  MASKED (cut by the token budget: kept out of the loss)"
     if e.get("failure"):
         head += f"\n  FAILED: {e['failure']}"
     text = e["completion"] if full else _short(e["completion"], 400)

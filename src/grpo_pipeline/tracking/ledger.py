@@ -10,9 +10,9 @@ generated for; held-out: the step evaluated), `prompt_id` (sha1 of the prompt, 1
 prompt has the same id in every run), `prompt` (as the model saw it), `completion` (a multi-turn episode:
 every turn, `[role] content` per message; `messages` has them as a list), `reward` (the total GRPO saw), `rewards` (each component),
 `advantage` (train), `row` (the env's extra columns), `seconds` (scoring), `failure` (first line of the
-error, or null), `masked` (train, under loss.mask_truncated_completions: true when the episode ran to the token
-budget without EOS, a multi-turn one in its last turn, so that no token of it was trained; it still counted in its
-group's baseline), `turns` (train, where it applies: runtime.turn_credit=turn, each assistant turn's `score` and
+error, or null), `masked` (train, under loss.mask_truncated_completions: true when TRL kept the completion out of
+the loss whole, for running to the token budget without EOS; a `respond` episode is one completion, so all its turns,
+decided by the last one; a seed-style env's own later turns still train; it still counted in its group's baseline), `turns` (train, where it applies: runtime.turn_credit=turn, each assistant turn's `score` and
 `advantage`; a seed-style env, `sampled`, the turns its own generate calls sampled and training trained). Read it with `python -m grpo_pipeline episodes <run dir>`.
 """
 
