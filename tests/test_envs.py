@@ -98,6 +98,27 @@ def test_hotel_scores_follow_the_booking(tokenizer):
     assert score(["hello", "hmm"]) == 0.0 and "Please search for rooms" in transcript[1]["content"]  # nudged
 
 
+def test_hotel_shuffle_results_orders_a_search_by_the_call_written(tokenizer):
+    """env.shuffle_results=true: the same rooms, in an order that follows the exact call (so a greedy episode sees
+    one order every time) and differs between calls written differently; the default keeps the fixed order."""
+    plain, shuffled = HotelEnv(), HotelEnv(shuffle_results=True)
+    request = next(r for r in shuffled.build_dataset(tokenizer)["request"]
+                   if len(shuffled.search_rooms(r["city"], r["guests"], r["max_price"])) >= 3)
+    ids = lambda env, text: [line.split(":")[0] for line in play(env, request, [text])[1]["content"].splitlines()]  # noqa: E731
+    fixed = [r["room_id"] for r in plain.search_rooms(request["city"], request["guests"], request["max_price"])]
+    calls = [call("search_rooms", city=request["city"], guests=request["guests"], max_price=request["max_price"])
+             + " " * n for n in range(8)]  # eight ways of writing the same search
+    assert all(ids(plain, c) == fixed for c in calls)
+    orders = [ids(shuffled, c) for c in calls]
+    assert all(sorted(o) == sorted(fixed) for o in orders)  # the same rooms
+    assert orders == [ids(shuffled, c) for c in calls]  # the same call, the same order
+    assert len({o[0] for o in orders}) > 1  # another way of writing it, another room first
+    # the booking of any room the search listed is scored as before
+    room = matching_room(shuffled, request)
+    transcript = play(shuffled, request, [calls[0], call("book_room", room_id=room["room_id"])])
+    assert shuffled.score_episode(None, tokenizer, transcript, request=request) == 1.0
+
+
 def test_parse_tool_calls():
     assert parse_tool_calls('<tool_call>{"name": "x", "arguments": {"a": 1}}</tool_call>') == [
         {"name": "x", "arguments": {"a": 1}}

@@ -75,7 +75,8 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
 def scripted(cfg) -> dict[str, tuple[float, float]]:
     """Held-out (mean reward, success) of two scripted policies on the runs' test requests, scored by the env's own
     reward: what a learned policy's numbers mean. "first listed": search with the guest's city, guests and price cap,
-    then book the first room the search lists (a positional shortcut, blind to the wished features); "oracle": the
+    then book the first room the search lists (a positional shortcut, blind to the wished features; with
+    env.shuffle_results=true, in the order this scripted call got); "oracle": the
     same search, then the first listed room that meets every wish."""
     env = HotelEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
     test = split_heldout(env.build_dataset(None), cfg.eval, "hotel").test
@@ -84,7 +85,7 @@ def scripted(cfg) -> dict[str, tuple[float, float]]:
         search = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
         messages = [{"role": "assistant", "content": _call("search_rooms", search)}]
         messages.append(env.reply(messages, request))
-        listed = env.search_rooms(**search)
+        listed = [env.rooms[line.split(":", 1)[0]] for line in messages[-1]["content"].splitlines()]  # as listed
         fits = [r for r in listed if _fits(env, r, request)] or listed
         for name, room in (("first listed", listed[0]), ("oracle", fits[0])):
             episode = [*messages, {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})}]

@@ -15,9 +15,13 @@ a 30-minute normal-difficulty run collapsed into booking the example's POR-101 f
 A search lists rooms in a fixed order, so "search with the guest's city, guests and price cap, book the first room
 listed" (blind to the wished features) scores 1.0 on easy and, on normal, 0.896 mean / 0.58 success on the default
 test requests: every normal-difficulty run that learned so far stopped exactly there (scripts/bench/multiturn.py
-prints this scripted policy's figures beside the runs).
+prints this scripted policy's figures beside the runs). With `shuffle_results=True` a search lists its rooms in an
+order that changes with the exact call the assistant wrote (fixed for a given call and request, so a greedy held-out
+episode sees the same order every time): the first room listed is then a coin toss, and only reading the features
+books the right room reliably.
 """
 
+import hashlib
 import json
 import random
 
@@ -56,6 +60,7 @@ class HotelEnv:
         turn_max_new_tokens: int = 64,
         num_shot: int = 1,
         seed: int = 0,
+        shuffle_results: bool = False,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -64,6 +69,7 @@ class HotelEnv:
         self.num_samples, self.max_turns, self.difficulty = num_samples, max_turns, difficulty
         self.turn_max_new_tokens = turn_max_new_tokens
         self.num_shot = num_shot
+        self.shuffle_results = shuffle_results
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -171,10 +177,18 @@ class HotelEnv:
                 return None
             if name == "search_rooms":
                 found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
+                if self.shuffle_results:
+                    found = self._listing_order(found, messages[-1]["content"], request)
                 results.append(format_rooms(found) if found else "no rooms match")
             else:
                 results.append(f"error: unknown tool {name!r}")
         return {"role": "tool", "content": "\n".join(results)}
+
+    def _listing_order(self, rooms: list[dict], call: str, request: dict) -> list[dict]:
+        """`rooms` in an order drawn from the assistant's exact turn and the request (sha256, not Python's salted
+        hash): two episodes that wrote their search differently see different orders, the same one the same."""
+        key = f"{self.seed}|{json.dumps(request, sort_keys=True)}|{call}|"
+        return sorted(rooms, key=lambda r: hashlib.sha256((key + r["room_id"]).encode()).digest())
 
     def score_turn(self, messages: list[dict], request: dict, **_) -> float:
         """runtime.turn_credit=turn: a little credit (0.1) for an assistant turn whose tool call is useful, the
