@@ -10,7 +10,8 @@
 
 For each mode and seed: held-out (unique test requests, greedy episodes) mean reward, gain +- SE and success rate
 before -> after, steps, seconds per step, the wait before the first training step,
-and per step the env's own turns trained as rows of their own, chained onto their episode's row, and rebased.
+how many held-out episodes booked the wished room where the search listed another first ("reads features", from
+the ledger: the positional shortcut gets none), and per step the env's own turns trained as rows of their own, chained onto their episode's row, and rebased.
 
     .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 2 --minutes 20
     .venv/bin/python scripts/bench/multiturn.py --modes trajectory seed-steps -- env.difficulty=easy
@@ -33,6 +34,7 @@ from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv
 from grpo_pipeline.evaluation.heldout import split_heldout
 from grpo_pipeline.recipe import train
+from grpo_pipeline.tracking import ledger
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
 MODES = {  # mode -> (env class, overrides)
@@ -56,20 +58,44 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
             "training.no_signal.enabled=false",
             "tracking.experiment_name=bench_multiturn", *MODES[mode][1], *overrides])
     env_kwargs = {k: v for k, v in cfg.env.items() if k != "_target_"}
+    env = MODES[mode][0](**env_kwargs)
     started = time.monotonic()
-    r = train(cfg, launch_dir=os.getcwd(), overrides=[f"mode={mode}", f"seed={seed}", *overrides],
-              env=MODES[mode][0](**env_kwargs))
+    r = train(cfg, launch_dir=os.getcwd(), overrides=[f"mode={mode}", f"seed={seed}", *overrides], env=env)
     wall = time.monotonic() - started
     history = functools.partial(metric_history, default_tracking_uri(os.getcwd()), r.mlflow_run_id)
     flat, turns = history("frac_reward_zero_std"), history("env/turn_samples")
     chained, rebased = history("env/turn_samples_chained"), history("env/turn_calls_rebased")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
+            "reads_features": reads_features(env, Path(r.run_dir) / ledger.FILE),
             "turn_rows": statistics.fmean(turns) if turns else None,
             "chained": statistics.fmean(chained) if chained else None,
             "rebased": statistics.fmean(rebased) if rebased else None,
             "flat_groups": statistics.fmean(flat) if flat else None,
             "s_per_step": r.train_seconds / max(r.steps, 1), "wait_before_first_step": r.startup_seconds,
             "rewards": r.rewards, "wall_s": wall}
+
+
+def reads_features(env: HotelEnv, path: Path) -> tuple[int, int]:
+    """Of the held-out episodes after training whose search listed first a room that misses a wish while another
+    listed room meets them all: how many booked a room meeting every wish (the positional shortcut books none).
+    A seed-style env's ledger keeps its first reply alone: the listing is the env's reply to it (the same order the
+    episode saw: a search's order follows the call written)."""
+    hard = right = 0
+    for e in ledger.read(path):
+        request = (e.get("row") or {}).get("request")
+        if e["split"] != "test_after" or request is None:
+            continue
+        messages = e.get("messages") or [{"role": "assistant", "content": e["completion"]}]
+        tool = [m for m in messages if m.get("role") == "tool"]
+        if not tool:  # a seed-style episode: the env's reply to its first turn
+            tool = [env.reply(messages[:1], request) or {}]
+        listing = str(tool[0].get("content", "")) if tool else ""
+        listed = [env.rooms[i] for i in (line.split(":", 1)[0] for line in listing.splitlines()) if i in env.rooms]
+        if not listed or _fits(env, listed[0], request) or not any(_fits(env, r, request) for r in listed):
+            continue
+        hard += 1
+        right += e["reward"] == 1.0
+    return right, hard
 
 
 def scripted(cfg) -> dict[str, tuple[float, float]]:
@@ -129,7 +155,7 @@ def report(rows: list[dict], args, reference: dict[str, tuple[float, float]]) ->
     print()
     harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
     table = harness.Table("mode      ", "seed", "mean reward", "gain (+- SE)", "success", "steps", "s/step",
-                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "turn rows",
+                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "reads features", "turn rows",
                           "chained", "rebased")
     for r in rows:
         b, a, curve = r["before"], r["after"], r["rewards"]
@@ -138,7 +164,7 @@ def report(rows: list[dict], args, reference: dict[str, tuple[float, float]]) ->
                   f"{b['success_rate']:.2f} -> {a['success_rate']:.2f}", r["steps"], f"{r['s_per_step']:.1f}",
                   f"{r['wall_s'] / 60:.1f} min", f"{r['wait_before_first_step']:.0f} s",
                   f"{statistics.fmean(curve[:3]):.3f} -> {statistics.fmean(curve[-3:]):.3f}",
-                  f"{r['flat_groups'] or 0:.2f}", *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("turn_rows", "chained", "rebased")))
+                  f"{r['flat_groups'] or 0:.2f}", "{}/{}".format(*r["reads_features"]), *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("turn_rows", "chained", "rebased")))
     for mode in args.modes:
         mine = [r for r in rows if r["mode"] == mode]
         if mine:
