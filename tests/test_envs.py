@@ -98,6 +98,24 @@ def test_hotel_scores_follow_the_booking(tokenizer):
     assert score(["hello", "hmm"]) == 0.0 and "Please search for rooms" in transcript[1]["content"]  # nudged
 
 
+def test_hotel_blind_booking_credit(tokenizer):
+    """env.blind_booking: what a booking of a room no search showed earns (0.1 by default, as any well-formed call)."""
+    env = HotelEnv(blind_booking=0.0)
+    request = env.build_dataset(tokenizer)[0]["request"]
+    right = matching_room(env, request)
+    score = lambda replies: env.score_episode(None, tokenizer, play(env, request, replies), request=request)  # noqa: E731
+    assert score([call("book_room", room_id=right["room_id"])]) == 0.0  # a guess earns nothing, even a right one
+    assert score([call("book_room", room_id="XYZ-999")]) == 0.0
+    assert score([call("search_rooms", city="Nowhere")]) == 0.1  # a search anywhere is still a step up
+    assert score([call("search_rooms", city=request["city"], max_price=0),  # nothing listed, then a guess
+                  call("book_room", room_id=right["room_id"])]) == 0.2
+    assert score([call("search_rooms", city=request["city"]), call("book_room", room_id=right["room_id"])]) == 1.0
+    assert HotelEnv().score_episode(None, tokenizer, [{"role": "assistant", "content": call(
+        "book_room", room_id=right["room_id"])}], request=request) == 0.1
+    with pytest.raises(ValueError, match="blind_booking=0.5"):
+        HotelEnv(blind_booking=0.5)
+
+
 def test_hotel_shuffle_results_orders_a_search_by_the_call_written(tokenizer):
     """env.shuffle_results=true: the same rooms, in an order that follows the exact call (so a greedy episode sees
     one order every time) and differs between calls written differently; the default keeps the fixed order."""
