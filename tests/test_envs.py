@@ -98,22 +98,26 @@ def test_hotel_scores_follow_the_booking(tokenizer):
     assert score(["hello", "hmm"]) == 0.0 and "Please search for rooms" in transcript[1]["content"]  # nudged
 
 
-def test_hotel_blind_booking_credit(tokenizer):
-    """env.blind_booking: what a booking of a room no search showed earns (0.1 by default, as any well-formed call)."""
-    env = HotelEnv(blind_booking=0.0)
+def test_hotel_format_credit_search_pays_only_searches(tokenizer):
+    """env.format_credit=search: the 0.1 for a well-formed call goes to search_rooms calls alone; a blind booking
+    (the trap normal runs settle in) and a made-up tool (where a policy went when blind bookings earned 0) earn 0."""
+    env = HotelEnv(format_credit="search")
     request = env.build_dataset(tokenizer)[0]["request"]
     right = matching_room(env, request)
     score = lambda replies: env.score_episode(None, tokenizer, play(env, request, replies), request=request)  # noqa: E731
     assert score([call("book_room", room_id=right["room_id"])]) == 0.0  # a guess earns nothing, even a right one
     assert score([call("book_room", room_id="XYZ-999")]) == 0.0
-    assert score([call("search_rooms", city="Nowhere")]) == 0.1  # a search anywhere is still a step up
+    assert score([call("book_bedroom", quality=25), call("rooms_hotel", type="booking")]) == 0.0
+    assert score([call("search_rooms", city="Nowhere")]) == 0.1  # a search anywhere is the step up
+    assert score([call("search_rooms", city="Nowhere"), call("book_room", room_id=right["room_id"])]) == 0.1
     assert score([call("search_rooms", city=request["city"], max_price=0),  # nothing listed, then a guess
                   call("book_room", room_id=right["room_id"])]) == 0.2
     assert score([call("search_rooms", city=request["city"]), call("book_room", room_id=right["room_id"])]) == 1.0
-    assert HotelEnv().score_episode(None, tokenizer, [{"role": "assistant", "content": call(
-        "book_room", room_id=right["room_id"])}], request=request) == 0.1
-    with pytest.raises(ValueError, match="blind_booking=0.5"):
-        HotelEnv(blind_booking=0.5)
+    any_call = HotelEnv()  # the default: any well-formed call
+    assert any_call.score_episode(None, tokenizer, play(any_call, request, [call("book_room", room_id="XYZ-999")]),
+                                  request=request) == 0.1
+    with pytest.raises(ValueError, match="format_credit='searches'"):
+        HotelEnv(format_credit="searches")
 
 
 def test_hotel_shuffle_results_orders_a_search_by_the_call_written(tokenizer):

@@ -8,9 +8,9 @@ The guest asks for a room (city, guests, price cap, wished features). The assist
 assistant turns. Every assistant turn is trained; the env's turns are masked out of the loss.
 `score_episode` reads the whole transcript. Score, from the first booking:
 1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another room a search of this episode showed;
-0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0. A booking of a room no
-search showed (with no search in the right city before it) earns `blind_booking`: 0.1 by default, as any
-well-formed call; 0 makes a search the only step up from a blind guess.
+0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0. With
+`format_credit="search"` only a search_rooms call earns that 0.1: a blind booking or a call to a tool that does not
+exist earns 0, so a search is the only step up from a guess.
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
 (0.3 + 0.6 * share for any real room beat the 0.2 of a search; docs/results.md, multi-turn).
@@ -63,7 +63,7 @@ class HotelEnv:
         num_shot: int = 1,
         seed: int = 0,
         shuffle_results: bool = False,
-        blind_booking: float = 0.1,
+        format_credit: str = "any",
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -73,10 +73,10 @@ class HotelEnv:
         self.turn_max_new_tokens = turn_max_new_tokens
         self.num_shot = num_shot
         self.shuffle_results = shuffle_results
-        if not 0.0 <= blind_booking <= 0.2:
-            raise ValueError(f"blind_booking={blind_booking}: use a score in [0, 0.2] (a search in the guest's city "
-                             "earns 0.2; a blind booking above it would pay guessing over searching)")
-        self.blind_booking = blind_booking
+        if format_credit not in ("any", "search"):
+            raise ValueError(f"format_credit={format_credit!r}: use 'any' (0.1 for any well-formed tool call) or "
+                             "'search' (0.1 for a well-formed search_rooms call only)")
+        self.format_credit = format_credit
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -226,7 +226,7 @@ class HotelEnv:
             if message.get("role") != "assistant":
                 continue
             for call in parse_tool_calls(message["content"]) or []:
-                well_formed = True
+                well_formed = well_formed or self.format_credit == "any" or call.get("name") == "search_rooms"
                 args = call.get("arguments", {})
                 if call.get("name") == "search_rooms":
                     searched = searched or str(args.get("city", "")).lower() == request["city"].lower()
@@ -234,7 +234,7 @@ class HotelEnv:
                     room_id = str(args.get("room_id"))
                     booked = self.rooms.get(room_id)
                     if booked is None or room_id not in shown:
-                        return 0.2 if searched else self.blind_booking
+                        return 0.2 if searched else 0.1 if well_formed else 0.0
                     met, total = self.wishes_met(booked, request)
                     return 1.0 if met == total else 0.3 + 0.6 * met / total
         return 0.2 if searched else 0.1 if well_formed else 0.0
