@@ -11,7 +11,8 @@
 For each mode and seed: held-out (unique test requests, greedy episodes) mean reward, gain +- SE and success rate
 before -> after, steps, seconds per step, the wait before the first training step,
 how many held-out episodes booked the wished room where the search listed another first ("reads features", from
-the ledger: the positional shortcut gets none), and per step the env's own turns trained as rows of their own, chained onto their episode's row, and rebased.
+the ledger: the positional shortcut gets none), and per step the env's own turns trained as rows of their own,
+chained onto their episode's row, and rebased.
 
     .venv/bin/python scripts/bench/multiturn.py --seeds 0 1 2 --minutes 20
     .venv/bin/python scripts/bench/multiturn.py --modes trajectory seed-steps -- env.difficulty=easy
@@ -31,7 +32,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
-from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv
+from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv, listed_ids
 from grpo_pipeline.evaluation.heldout import split_heldout
 from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking import ledger
@@ -86,11 +87,10 @@ def reads_features(env: HotelEnv, path: Path) -> tuple[int, int]:
         if e["split"] != "test_after" or request is None:
             continue
         messages = e.get("messages") or [{"role": "assistant", "content": e["completion"]}]
-        tool = [m for m in messages if m.get("role") == "tool"]
-        if not tool:  # a seed-style episode: the env's reply to its first turn
-            tool = [env.reply(messages[:1], request) or {}]
-        listing = str(tool[0].get("content", "")) if tool else ""
-        listed = [env.rooms[i] for i in (line.split(":", 1)[0] for line in listing.splitlines()) if i in env.rooms]
+        tool = next((m for m in messages if m.get("role") == "tool"), None)
+        if tool is None:  # a seed-style episode: the env's reply to its first turn
+            tool = env.reply(messages[:1], request) or {}
+        listed = [env.rooms[i] for i in listed_ids(tool.get("content")) if i in env.rooms]
         if not listed or _fits(env, listed[0], request) or not any(_fits(env, r, request) for r in listed):
             continue
         hard += 1
@@ -111,7 +111,7 @@ def scripted(cfg) -> dict[str, tuple[float, float]]:
         search = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
         messages = [{"role": "assistant", "content": _call("search_rooms", search)}]
         messages.append(env.reply(messages, request))
-        listed = [env.rooms[line.split(":", 1)[0]] for line in messages[-1]["content"].splitlines()]  # as listed
+        listed = [env.rooms[i] for i in listed_ids(messages[-1]["content"])]  # in the order the reply lists them
         fits = [r for r in listed if _fits(env, r, request)] or listed
         for name, room in (("first listed", listed[0]), ("oracle", fits[0])):
             episode = [*messages, {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})}]

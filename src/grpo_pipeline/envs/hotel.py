@@ -52,6 +52,11 @@ def format_rooms(rooms: list[dict]) -> str:
                      f"{', '.join(r['features']) or 'no extras'}" for r in rooms)
 
 
+def listed_ids(content) -> list[str]:
+    """The room ids a tool message lists, in order (what `format_rooms` wrote: the text before each line's colon)."""
+    return [line.split(":", 1)[0] for line in str(content or "").splitlines()]
+
+
 class HotelEnv:
     thread_safe = True  # score_episode keeps its state in locals
 
@@ -205,8 +210,7 @@ class HotelEnv:
         messages = _episode(messages, request)  # the worked example's search and POR-101 listing are not this episode's
         calls = parse_tool_calls(messages[-1].get("content") or "") or []
         earlier = [c for m in messages[:-1] if m.get("role") == "assistant" for c in parse_tool_calls(m["content"]) or []]
-        shown = {line.split(":", 1)[0] for m in messages if m.get("role") == "tool"
-                 for line in str(m.get("content", "")).splitlines()}
+        shown = {i for m in messages if m.get("role") == "tool" for i in listed_ids(m.get("content"))}
         for call in calls:
             args = call.get("arguments", {})
             if call.get("name") == "search_rooms" and str(args.get("city", "")).lower() == request["city"].lower():
@@ -223,7 +227,7 @@ class HotelEnv:
         shown: set[str] = set()  # room ids the env's search results listed so far
         for message in messages:
             if message.get("role") == "tool":
-                shown |= {line.split(":", 1)[0] for line in str(message.get("content", "")).splitlines()}
+                shown |= set(listed_ids(message.get("content")))
             if message.get("role") != "assistant":
                 continue
             for call in parse_tool_calls(message["content"]) or []:
