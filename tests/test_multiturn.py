@@ -222,12 +222,17 @@ def test_hotel_respond_runs_tools_and_scores_the_transcript():
     assert env.episode_metrics(transcript, request) == {"tool_calls": 2.0, "malformed_tool_calls": 0.0}
 
 
-def test_hotel_score_turn_credits_only_this_episodes_search_and_listed_booking():
+@pytest.mark.parametrize("ask_to_search", [False, True])
+def test_hotel_score_turn_credits_only_this_episodes_search_and_listed_booking(ask_to_search):
     # the runtime passes the whole conversation: the opening's worked example (a Porto search listing POR-101, then
-    # its booking) comes first and must earn nothing, or copying its booking without searching pays every turn
-    env = HotelEnv()
+    # its booking) comes first and must earn nothing, or copying its booking without searching pays every turn;
+    # env.ask_to_search=true ends each request (the example's too) with the nudge, and the episode is still found
+    env = HotelEnv(ask_to_search=ask_to_search)
     request = next(r["request"] for r in env.build_dataset(build_tiny_tokenizer()) if r["request"]["city"] == "Porto")
     opening = env._opening(request)
+    asks = [m["content"] for m in opening if m["role"] == "user"]
+    assert len(asks) == 2 and all(a.endswith("Please search for rooms and book one that meets all my wishes.")
+                                  == ask_to_search for a in asks)
     assert any(m["role"] == "tool" and "POR-101" in m["content"] for m in opening)  # what the example shows
     args = {k: request[k] for k in ("city", "guests", "max_price")}
     search = {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'}

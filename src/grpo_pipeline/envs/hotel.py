@@ -10,7 +10,10 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 1.0 a room meeting every wish; 0.3 + 0.6 * (share of wishes met) another room a search of this episode showed;
 0.2 no such booking but a search in the right city; 0.1 a well-formed tool call; else 0. With
 `format_credit="search"` only a search_rooms call earns that 0.1: a blind booking or a call to a tool that does not
-exist earns 0, so a search is the only step up from a guess.
+exist earns 0, so a search is the only step up from a guess. With `ask_to_search=True` the guest's request ends with
+the nudge's sentence ("Please search for rooms and book one that meets all my wishes."): SmolLM2-135M's first turn,
+sampled at temperature 1, then searches on ~16% of requests instead of 0% (it copies the worked example's booking),
+so GRPO has a search to reinforce from the first step (docs/results.md, 2026-12-07 evening).
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
 (0.3 + 0.6 * share for any real room beat the 0.2 of a search; docs/results.md, multi-turn).
@@ -70,6 +73,7 @@ class HotelEnv:
         seed: int = 0,
         shuffle_results: bool = False,
         format_credit: str = "any",
+        ask_to_search: bool = False,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -83,6 +87,7 @@ class HotelEnv:
             raise ValueError(f"format_credit={format_credit!r}: use 'any' (0.1 for any well-formed tool call) or "
                              "'search' (0.1 for a well-formed search_rooms call only)")
         self.format_credit = format_credit
+        self.ask_to_search = ask_to_search
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -138,7 +143,7 @@ class HotelEnv:
 
     def _opening(self, request: dict) -> list[dict]:
         return [{"role": "system", "content": SYSTEM}] + self._worked_example() * min(self.num_shot, 1) + [
-            {"role": "user", "content": _ask(request)}]
+            {"role": "user", "content": _ask(request, self.ask_to_search)}]
 
     def _worked_example(self) -> list[dict]:
         """One solved booking (search, result, booking), so a small model sees the tool-call format."""
@@ -146,7 +151,7 @@ class HotelEnv:
         request = {"city": "Porto", "guests": 1, "max_price": room["price"], "features": room["features"][:1]}
         args = {"city": "Porto", "guests": 1, "max_price": room["price"]}
         return [
-            {"role": "user", "content": _ask(request)},
+            {"role": "user", "content": _ask(request, self.ask_to_search)},
             {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'},
             {"role": "tool", "content": format_rooms([room])},
             {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": room["room_id"]}})}</tool_call>'},
@@ -251,17 +256,17 @@ class HotelEnv:
                 "malformed_tool_calls": float(sum(p is None for p in parsed))}
 
 
-def _ask(request: dict) -> str:
+def _ask(request: dict, ask_to_search: bool = False) -> str:
     wish = f", with {' and '.join(request['features'])}" if request["features"] else ""
     return (f"Hi! I need a room in {request['city']} for {request['guests']} guest(s), "
-            f"at most {request['max_price']} EUR per night{wish}.")
+            f"at most {request['max_price']} EUR per night{wish}." + (f" {NUDGE}" if ask_to_search else ""))
 
 
 def _episode(messages: list[dict], request: dict) -> list[dict]:
     """The messages after the guest's request (score_turn gets the whole conversation, the opening's worked example
     included); all of them when the request is not among them."""
-    ask = _ask(request)
-    starts = [i for i, m in enumerate(messages) if m.get("role") == "user" and m.get("content") == ask]
+    ask = _ask(request)  # with or without the ask_to_search sentence after it
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user" and str(m.get("content")).startswith(ask)]
     return messages[starts[-1] + 1:] if starts else messages
 
 
