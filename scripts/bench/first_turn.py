@@ -41,7 +41,7 @@ KINDS = ["search, guest's city", "search, other city", "book_room", "other tool"
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=12, help="training requests sampled (the dataset's first)")
+    parser.add_argument("--prompts", type=int, default=12, help="requests sampled (the dataset's first rows)")
     parser.add_argument("--samples", type=int, default=4, help="first turns sampled per request (a group)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)

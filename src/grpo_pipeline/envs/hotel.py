@@ -12,7 +12,7 @@ assistant turns. Every assistant turn is trained; the env's turns are masked out
 `format_credit="search"` only a search_rooms call earns that 0.1: a blind booking or a call to a tool that does not
 exist earns 0, so a search is the only step up from a guess. With `ask_to_search=True` the guest's request ends with
 the nudge's sentence ("Please search for rooms and book one that meets all my wishes."): SmolLM2-135M's first turn,
-sampled at temperature 1, then searches on ~16% of requests instead of 0% (it copies the worked example's booking),
+sampled at temperature 1, then searches on 10-16% of requests instead of 0% (it copies the worked example's booking),
 so GRPO has a search to reinforce from the first step (docs/results.md, 2026-12-07 evening).
 A room no search showed (a guess, or the worked example's room copied) earns no booking credit: before that rule,
 a 30-minute normal-difficulty run collapsed into booking the example's POR-101 for every guest without searching
