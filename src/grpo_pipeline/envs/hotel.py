@@ -212,7 +212,7 @@ class HotelEnv:
         """runtime.turn_credit=turn: a little credit (0.1) for an assistant turn whose tool call is useful, the
         episode's first search in the guest's city or the booking of a room a search showed; 0 otherwise. The
         episode's reward (up to 1) still decides; this only tells which turn helped."""
-        messages = _episode(messages, request)  # the worked example's search and POR-101 listing are not this episode's
+        messages = _episode(messages, _ask(request, self.ask_to_search))  # the worked example's search and POR-101 listing are not this episode's
         calls = parse_tool_calls(messages[-1].get("content") or "") or []
         earlier = [c for m in messages[:-1] if m.get("role") == "assistant" for c in parse_tool_calls(m["content"]) or []]
         shown = {i for m in messages if m.get("role") == "tool" for i in listed_ids(m.get("content"))}
@@ -262,11 +262,10 @@ def _ask(request: dict, ask_to_search: bool = False) -> str:
             f"at most {request['max_price']} EUR per night{wish}." + (f" {NUDGE}" if ask_to_search else ""))
 
 
-def _episode(messages: list[dict], request: dict) -> list[dict]:
+def _episode(messages: list[dict], ask: str) -> list[dict]:
     """The messages after the guest's request (score_turn gets the whole conversation, the opening's worked example
     included); all of them when the request is not among them."""
-    ask = _ask(request)  # with or without the ask_to_search sentence after it
-    starts = [i for i, m in enumerate(messages) if m.get("role") == "user" and str(m.get("content")).startswith(ask)]
+    starts = [i for i, m in enumerate(messages) if m.get("role") == "user" and m.get("content") == ask]
     return messages[starts[-1] + 1:] if starts else messages
 
 
