@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.envs.arithmetic import ArithmeticEnv
-from grpo_pipeline.envs.hotel import HotelEnv, parse_tool_calls
+from grpo_pipeline.envs.hotel import LISTING_HINT, HotelEnv, listed_ids, parse_tool_calls
 from grpo_pipeline.models import build_tiny_tokenizer
 from grpo_pipeline.prompts import supports_tools
 
@@ -139,6 +139,24 @@ def test_hotel_shuffle_results_orders_a_search_by_the_call_written(tokenizer):
     room = matching_room(shuffled, request)
     transcript = play(shuffled, request, [calls[0], call("book_room", room_id=room["room_id"])])
     assert shuffled.score_episode(None, tokenizer, transcript, request=request) == 1.0
+
+
+def test_hotel_listing_hint_ends_each_listing_and_lists_no_room(tokenizer):
+    """env.listing_hint=true: a search's listing (the worked example's too) ends with a line telling how to book;
+    the rooms listed, and the scores, are what they are without it."""
+    plain, hinted = HotelEnv(), HotelEnv(listing_hint=True)
+    request = hinted.build_dataset(tokenizer)[0]["request"]
+    search = call("search_rooms", city=request["city"], guests=request["guests"], max_price=request["max_price"])
+    listing = play(hinted, request, [search])[1]["content"]
+    assert listing == play(plain, request, [search])[1]["content"] + "\n" + LISTING_HINT
+    assert listed_ids(listing) == listed_ids(play(plain, request, [search])[1]["content"]) != []
+    room = matching_room(hinted, request)
+    transcript = play(hinted, request, [search, call("book_room", room_id=room["room_id"])])
+    assert hinted.score_episode(None, tokenizer, transcript, request=request) == 1.0
+    example_listing = hinted._worked_example()[2]["content"]
+    assert example_listing.startswith("POR-101: ") and example_listing.endswith("\n" + LISTING_HINT)
+    nowhere = call("search_rooms", city="Atlantis")
+    assert play(hinted, request, [nowhere])[1]["content"] == "no rooms match"  # no rooms, no hint
 
 
 def test_parse_tool_calls():

@@ -1,4 +1,5 @@
-"""What the base model's first turn does on env=hotel, per prompt variant: the cold start of a multi-turn run.
+"""What the base model's first turn (or its booking turn) does on env=hotel, per prompt variant: the cold start of a
+multi-turn run, and what it starts from when it has to read the rooms' features.
 
 GRPO learns only from groups whose rewards differ. If the base policy never calls search_rooms on its first turn,
 a run with env.format_credit=search earns 0 on every episode until a later turn happens to search (measured: 21
@@ -8,16 +9,24 @@ city, a search elsewhere, a booking, another tool, a malformed call, or plain te
 overrides, e.g. the default prompt against env.ask_to_search=true:
 
     .venv/bin/python scripts/bench/first_turn.py --prompts 12 --samples 4 "" "env.ask_to_search=true"
+
+With --after-search the conversation goes on from a right search (the guest's city, guests and price cap, as the
+scripted policy writes it) and the env's listing, and it counts the *booking* turn: the room meeting every wish,
+the first room listed when that one misses a wish (the positional shortcut), another listed room, a room never
+listed, another search, ... and, on the requests whose listing shows a wrong room first, how often the wished
+room was booked (what reading the features buys over the shortcut; "reads features" in multiturn.py).
 """
 
 import argparse
 import collections
+import json
 import time
 
 import harness
 import torch
 
 from grpo_pipeline.api import compose_config
+from grpo_pipeline.envs.hotel import listed_ids
 from grpo_pipeline.models import load_model
 from grpo_pipeline.prompts import parse_tool_calls
 from grpo_pipeline.recipe import load_env_and_dataset, sampling
@@ -37,40 +46,90 @@ def kind(text: str, request: dict) -> str:
 
 
 KINDS = ["search, guest's city", "search, other city", "book_room", "other tool", "malformed", "text"]
+BOOK_KINDS = ["wished room", "first listed, wrong", "other listed, wrong", "not listed", "search", "other tool",
+              "malformed", "text"]
+
+
+def after_search(env, prompt: list[dict], request: dict) -> tuple[list[dict], list[str]]:
+    """The opening, a right search (as the scripted policy writes it) and the env's listing; the ids listed."""
+    args = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
+    messages = [*prompt, {"role": "assistant",
+                          "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'}]
+    messages.append(env.reply(messages, request))
+    return messages, listed_ids(messages[-1]["content"])
+
+
+def booking_kind(env, text: str, request: dict, listed: list[str]) -> str:
+    calls = parse_tool_calls(text)
+    if calls is None:
+        return "malformed"
+    if not calls:
+        return "text"
+    name, args = str(calls[0].get("name")), calls[0].get("arguments") or {}
+    if name == "search_rooms":
+        return "search"
+    if name != "book_room":
+        return "other tool"
+    room_id = str(args.get("room_id"))
+    if room_id not in listed:
+        return "not listed"
+    if meets_all(env, room_id, request):
+        return "wished room"
+    return "first listed, wrong" if room_id == listed[0] else "other listed, wrong"
+
+
+def meets_all(env, room_id: str, request: dict) -> bool:
+    met, total = env.wishes_met(env.rooms[room_id], request)
+    return met == total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=12, help="requests sampled (the dataset's first rows)")
-    parser.add_argument("--samples", type=int, default=4, help="first turns sampled per request (a group)")
+    parser.add_argument("--samples", type=int, default=4, help="turns sampled per request (a group)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--after-search", action="store_true",
+                        help="sample the booking turn, after a right search and its listing")
     parser.add_argument("variants", nargs="*", default=[""], help="space-separated overrides per variant")
     args = parser.parse_args()
     harness.threads(args.threads)
-    harness.machine(f"base model's first turn on env=hotel, {args.prompts} requests x {args.samples} samples")
-    table = harness.Table("variant                     ", *KINDS, "groups with a search", "s")
+    turn = "booking turn after a right search" if args.after_search else "first turn"
+    harness.machine(f"base model's {turn} on env=hotel, {args.prompts} requests x {args.samples} samples")
+    kinds_shown = BOOK_KINDS if args.after_search else KINDS
+    last = ("wished room where a wrong room is listed first",) if args.after_search else ("groups with a search",)
+    table = harness.Table("variant                     ", *kinds_shown, *last, "s")
     model = None
     for variant in args.variants:
         cfg = compose_config(["env=hotel", *variant.split()])
         env, tokenizer, dataset, _ = load_env_and_dataset(cfg)
         model = model or load_model(cfg.model, tokenizer).eval()
         counts, searched_groups, started = collections.Counter(), 0, time.monotonic()
+        needs_reading = collections.Counter()
         for i, row in enumerate(dataset.select(range(args.prompts))):
-            prompt = row["prompt"]
+            prompt, request, listed = row["prompt"], row["request"], []
+            if args.after_search:
+                prompt, listed = after_search(env, prompt, request)
             text = prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(
                 prompt, tokenize=False, add_generation_prompt=True)
             enc = tokenizer([text] * args.samples, return_tensors="pt", add_special_tokens=False)
             torch.manual_seed(i)
             with torch.no_grad():
                 out = model.generate(**enc, **sampling(cfg.generation), max_new_tokens=args.max_new_tokens)
-            kinds = [kind(tokenizer.decode(s, skip_special_tokens=True), row["request"])
-                     for s in out[:, enc["input_ids"].shape[1]:]]
+            texts = [tokenizer.decode(s, skip_special_tokens=True) for s in out[:, enc["input_ids"].shape[1]:]]
+            if args.after_search:
+                kinds = [booking_kind(env, t, request, listed) for t in texts]
+                if listed and listed[0] in env.rooms and not meets_all(env, listed[0], request):
+                    needs_reading.update(k == "wished room" for k in kinds)
+            else:
+                kinds = [kind(t, request) for t in texts]
+                searched_groups += any(k.startswith("search") for k in kinds)
             counts.update(kinds)
-            searched_groups += any(k.startswith("search") for k in kinds)
         n = sum(counts.values())
-        table.row(variant or "(default)", *(f"{counts[k] / n:.2f}" for k in KINDS),
-                  f"{searched_groups}/{args.prompts}", f"{time.monotonic() - started:.0f}")
+        tail = (f"{needs_reading[True]}/{sum(needs_reading.values())}" if args.after_search
+                else f"{searched_groups}/{args.prompts}")
+        table.row(variant or "(default)", *(f"{counts[k] / n:.2f}" for k in kinds_shown), tail,
+                  f"{time.monotonic() - started:.0f}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ SYSTEM = (
     "Book exactly one room that meets every wish of the guest."
 )
 NUDGE = "Please search for rooms and book one that meets all my wishes."
+LISTING_HINT = "To book one of these rooms, call book_room with its room_id."
 MALFORMED = 'Your <tool_call> was not valid JSON. Write <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
 
@@ -56,8 +57,9 @@ def format_rooms(rooms: list[dict]) -> str:
 
 
 def listed_ids(content) -> list[str]:
-    """The room ids a tool message lists, in order (what `format_rooms` wrote: the text before each line's colon)."""
-    return [line.split(":", 1)[0] for line in str(content or "").splitlines()]
+    """The room ids a tool message lists, in order (what `format_rooms` wrote: the text before each line's colon;
+    a line with no colon, such as the listing's hint, lists none)."""
+    return [line.split(":", 1)[0] for line in str(content or "").splitlines() if ":" in line]
 
 
 class HotelEnv:
@@ -74,6 +76,7 @@ class HotelEnv:
         shuffle_results: bool = False,
         format_credit: str = "any",
         ask_to_search: bool = False,
+        listing_hint: bool = False,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -88,6 +91,7 @@ class HotelEnv:
                              "'search' (0.1 for a well-formed search_rooms call only)")
         self.format_credit = format_credit
         self.ask_to_search = ask_to_search
+        self.listing_hint = listing_hint
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -152,9 +156,9 @@ class HotelEnv:
         args = {"city": "Porto", "guests": 1, "max_price": room["price"]}
         return [
             {"role": "user", "content": _ask(request, self.ask_to_search)},
-            {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'},
-            {"role": "tool", "content": format_rooms([room])},
-            {"role": "assistant", "content": f'<tool_call>{json.dumps({"name": "book_room", "arguments": {"room_id": room["room_id"]}})}</tool_call>'},
+            {"role": "assistant", "content": _call("search_rooms", args)},
+            {"role": "tool", "content": self._listing([room])},
+            {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})},
             {"role": "tool", "content": "booked"},
         ]
 
@@ -197,10 +201,14 @@ class HotelEnv:
                 found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
                 if self.shuffle_results:
                     found = self._listing_order(found, messages[-1]["content"], request)
-                results.append(format_rooms(found) if found else "no rooms match")
+                results.append(self._listing(found) if found else "no rooms match")
             else:
                 results.append(f"error: unknown tool {name!r}")
         return {"role": "tool", "content": "\n".join(results)}
+
+    def _listing(self, rooms: list[dict]) -> str:
+        """A search's result as the model reads it: the rooms, then (env.listing_hint) how to book one."""
+        return format_rooms(rooms) + (f"\n{LISTING_HINT}" if self.listing_hint else "")
 
     def _listing_order(self, rooms: list[dict], call: str, request: dict) -> list[dict]:
         """`rooms` in an order drawn from the assistant's exact turn and the request (sha256, not Python's salted
@@ -254,6 +262,10 @@ class HotelEnv:
         parsed = [parse_tool_calls(m["content"]) for m in completion if m.get("role") == "assistant"]
         return {"tool_calls": float(sum(len(p) for p in parsed if p)),
                 "malformed_tool_calls": float(sum(p is None for p in parsed))}
+
+
+def _call(name: str, arguments: dict) -> str:
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
 def _ask(request: dict, ask_to_search: bool = False) -> str:
