@@ -78,7 +78,8 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
 
 def reads_features(env: HotelEnv, path: Path) -> tuple[int, int]:
     """Of the held-out episodes after training whose search listed first a room that misses a wish while another
-    listed room meets them all: how many booked a room meeting every wish (the positional shortcut books none).
+    listed room meets them all: how many booked a room meeting every wish (the first-listed shortcut books none; a
+    policy that books the last room listed may book them all: compare its success with the scripted "last listed").
     A seed-style env's ledger keeps its first reply alone: the listing is the env's reply to it (the same order the
     episode saw: a search's order follows the call written)."""
     hard = right = 0
@@ -102,18 +103,19 @@ def scripted(cfg) -> dict[str, tuple[float, float]]:
     """Held-out (mean reward, success) of two scripted policies on the runs' test requests, scored by the env's own
     reward: what a learned policy's numbers mean. "first listed": search with the guest's city, guests and price cap,
     then book the first room the search lists (a positional shortcut, blind to the wished features; with
-    env.shuffle_results=true, in the order this scripted call got); "oracle": the
-    same search, then the first listed room that meets every wish."""
+    env.shuffle_results=true, in the order this scripted call got); "last listed": the same, booking the last room
+    listed (a learned policy may settle on that shortcut instead: seed 19, 2026-12-07 night, whose "reads features"
+    count it fools); "oracle": the same search, then the first listed room that meets every wish."""
     env = HotelEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
     test = split_heldout(env.build_dataset(None), cfg.eval, "hotel").test
-    scores: dict[str, list[float]] = {"first listed": [], "oracle": []}
+    scores: dict[str, list[float]] = {"first listed": [], "last listed": [], "oracle": []}
     for request in test["request"]:
         search = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
         messages = [{"role": "assistant", "content": _call("search_rooms", search)}]
         messages.append(env.reply(messages, request))
         listed = [env.rooms[i] for i in listed_ids(messages[-1]["content"])]  # in the order the reply lists them
         fits = [r for r in listed if _fits(env, r, request)] or listed
-        for name, room in (("first listed", listed[0]), ("oracle", fits[0])):
+        for name, room in (("first listed", listed[0]), ("last listed", listed[-1]), ("oracle", fits[0])):
             episode = [*messages, {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})}]
             scores[name].append(env.score_episode(None, None, episode, request))
     return {name: (statistics.fmean(s), statistics.fmean(x == 1.0 for x in s)) for name, s in scores.items()}
