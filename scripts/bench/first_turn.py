@@ -19,14 +19,13 @@ room was booked (what reading the features buys over the shortcut; "reads featur
 
 import argparse
 import collections
-import json
 import time
 
 import harness
 import torch
 
 from grpo_pipeline.api import compose_config
-from grpo_pipeline.envs.hotel import listed_ids
+from grpo_pipeline.envs.hotel import listed_ids, right_search
 from grpo_pipeline.models import load_model
 from grpo_pipeline.prompts import parse_tool_calls
 from grpo_pipeline.recipe import load_env_and_dataset, sampling
@@ -52,35 +51,24 @@ BOOK_KINDS = ["wished room", "first listed, wrong", "other listed, wrong", "not 
 
 def after_search(env, prompt: list[dict], request: dict) -> tuple[list[dict], list[str]]:
     """The opening, a right search (as the scripted policy writes it) and the env's listing; the ids listed."""
-    args = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
-    messages = [*prompt, {"role": "assistant",
-                          "content": f'<tool_call>{json.dumps({"name": "search_rooms", "arguments": args})}</tool_call>'}]
+    if isinstance(prompt, str):
+        raise SystemExit("--after-search needs prompts as chat messages (a model with a chat template, e.g. the "
+                         "default SmolLM2); this model's prompts were rendered to text")
+    messages = [*prompt, {"role": "assistant", "content": right_search(request)}]
     messages.append(env.reply(messages, request))
     return messages, listed_ids(messages[-1]["content"])
 
 
 def booking_kind(env, text: str, request: dict, listed: list[str]) -> str:
-    calls = parse_tool_calls(text)
-    if calls is None:
-        return "malformed"
-    if not calls:
-        return "text"
-    name, args = str(calls[0].get("name")), calls[0].get("arguments") or {}
-    if name == "search_rooms":
-        return "search"
-    if name != "book_room":
-        return "other tool"
-    room_id = str(args.get("room_id"))
+    first = kind(text, request)
+    if first != "book_room":
+        return "search" if first.startswith("search") else first
+    room_id = str((parse_tool_calls(text)[0].get("arguments") or {}).get("room_id"))
     if room_id not in listed:
         return "not listed"
-    if meets_all(env, room_id, request):
+    if env.fits(env.rooms[room_id], request):
         return "wished room"
     return "first listed, wrong" if room_id == listed[0] else "other listed, wrong"
-
-
-def meets_all(env, room_id: str, request: dict) -> bool:
-    met, total = env.wishes_met(env.rooms[room_id], request)
-    return met == total
 
 
 def main() -> None:
@@ -119,7 +107,7 @@ def main() -> None:
             texts = [tokenizer.decode(s, skip_special_tokens=True) for s in out[:, enc["input_ids"].shape[1]:]]
             if args.after_search:
                 kinds = [booking_kind(env, t, request, listed) for t in texts]
-                if listed and listed[0] in env.rooms and not meets_all(env, listed[0], request):
+                if listed and listed[0] in env.rooms and not env.fits(env.rooms[listed[0]], request):
                     needs_reading.update(k == "wished room" for k in kinds)
             else:
                 kinds = [kind(t, request) for t in texts]

@@ -32,7 +32,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
-from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv, listed_ids
+from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv, listed_ids, right_search, tool_call
 from grpo_pipeline.evaluation.heldout import split_heldout
 from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking import ledger
@@ -92,7 +92,7 @@ def reads_features(env: HotelEnv, path: Path) -> tuple[int, int]:
         if tool is None:  # a seed-style episode: the env's reply to its first turn
             tool = env.reply(messages[:1], request) or {}
         listed = [env.rooms[i] for i in listed_ids(tool.get("content")) if i in env.rooms]
-        if not listed or _fits(env, listed[0], request) or not any(_fits(env, r, request) for r in listed):
+        if not listed or env.fits(listed[0], request) or not any(env.fits(r, request) for r in listed):
             continue
         hard += 1
         right += e["reward"] == 1.0
@@ -110,24 +110,14 @@ def scripted(cfg) -> dict[str, tuple[float, float]]:
     test = split_heldout(env.build_dataset(None), cfg.eval, "hotel").test
     scores: dict[str, list[float]] = {"first listed": [], "last listed": [], "oracle": []}
     for request in test["request"]:
-        search = {"city": request["city"], "guests": request["guests"], "max_price": request["max_price"]}
-        messages = [{"role": "assistant", "content": _call("search_rooms", search)}]
+        messages = [{"role": "assistant", "content": right_search(request)}]
         messages.append(env.reply(messages, request))
         listed = [env.rooms[i] for i in listed_ids(messages[-1]["content"])]  # in the order the reply lists them
-        fits = [r for r in listed if _fits(env, r, request)] or listed
+        fits = [r for r in listed if env.fits(r, request)] or listed
         for name, room in (("first listed", listed[0]), ("last listed", listed[-1]), ("oracle", fits[0])):
-            episode = [*messages, {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})}]
+            episode = [*messages, {"role": "assistant", "content": tool_call("book_room", {"room_id": room["room_id"]})}]
             scores[name].append(env.score_episode(None, None, episode, request))
     return {name: (statistics.fmean(s), statistics.fmean(x == 1.0 for x in s)) for name, s in scores.items()}
-
-
-def _fits(env: HotelEnv, room: dict, request: dict) -> bool:
-    met, total = env.wishes_met(room, request)
-    return met == total
-
-
-def _call(name: str, arguments: dict) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def main() -> None:

@@ -157,12 +157,11 @@ class HotelEnv:
         """One solved booking (search, result, booking), so a small model sees the tool-call format."""
         room = self.rooms["POR-101"]
         request = {"city": "Porto", "guests": 1, "max_price": room["price"], "features": room["features"][:1]}
-        args = {"city": "Porto", "guests": 1, "max_price": room["price"]}
         return [
             {"role": "user", "content": _ask(request, self.ask_to_search)},
-            {"role": "assistant", "content": _call("search_rooms", args)},
+            {"role": "assistant", "content": right_search(request)},
             {"role": "tool", "content": self._listing([room])},
-            {"role": "assistant", "content": _call("book_room", {"room_id": room["room_id"]})},
+            {"role": "assistant", "content": tool_call("book_room", {"room_id": room["room_id"]})},
             {"role": "tool", "content": "booked"},
         ]
 
@@ -175,6 +174,11 @@ class HotelEnv:
             and r["capacity"] >= _as_number(guests, 1)
             and r["price"] <= _as_number(max_price, 10_000)
         ]
+
+    def fits(self, room: dict, request: dict) -> bool:
+        """Whether `room` meets every wish of `request` (what a booking needs to score 1.0)."""
+        met, total = self.wishes_met(room, request)
+        return met == total
 
     def wishes_met(self, room: dict, request: dict) -> tuple[int, int]:
         checks = [
@@ -268,8 +272,15 @@ class HotelEnv:
                 "malformed_tool_calls": float(sum(p is None for p in parsed))}
 
 
-def _call(name: str, arguments: dict) -> str:
+def tool_call(name: str, arguments: dict) -> str:
+    """A tool call as the assistant writes it (and the env parses it)."""
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def right_search(request: dict) -> str:
+    """The search a request asks for: the guest's city, guests and price cap (the worked example's and the scripted
+    policies' first turn)."""
+    return tool_call("search_rooms", {k: request[k] for k in ("city", "guests", "max_price")})
 
 
 def _ask(request: dict, ask_to_search: bool = False) -> str:
