@@ -159,6 +159,51 @@ def test_hotel_listing_hint_ends_each_listing_and_lists_no_room(tokenizer):
     assert play(hinted, request, [nowhere])[1]["content"] == "no rooms match"  # no rooms, no hint
 
 
+def test_hotel_booking_starts_add_rows_that_open_at_the_booking_turn(tokenizer):
+    """env.booking_starts: extra training rows whose opening already holds the right search and its listing (two
+    rooms or more), so the assistant's first turn is the booking; scored as the same booking after that search in a
+    full episode; the held-out test requests stay the same, and no test request's booking start is trained on."""
+    from grpo_pipeline.config.schema import EvalConfig
+    from grpo_pipeline.envs.hotel import HotelSeedEnv
+    from grpo_pipeline.evaluation.heldout import split_heldout
+
+    kwargs = {"shuffle_results": True, "listing_hint": True}
+    plain, env = HotelEnv(**kwargs), HotelEnv(booking_starts=1.0, **kwargs)
+    full, both = plain.build_dataset(tokenizer), env.build_dataset(tokenizer)
+    starts = [row for row in both if row["starts_at"] == "booking"]
+    assert both.select(range(len(full)))["prompt"] == full["prompt"]  # the full rows first, unchanged
+    assert set(both["starts_at"][:len(full)]) == {"request"} and len(starts) == len(both) - len(full) > 20
+    row = starts[0]
+    request, opening = row["request"], row["prompt"]
+    search = call("search_rooms", city=request["city"], guests=request["guests"], max_price=request["max_price"])
+    assert opening[:-2] == full[0]["prompt"][:-1] + [opening[-3]] and opening[-3]["role"] == "user"
+    assert opening[-2] == {"role": "assistant", "content": search}
+    assert opening[-1] == play(env, request, [search])[1]  # the env's own listing for that call, in its order
+    listed = [env.rooms[i] for i in listed_ids(opening[-1]["content"])]
+    assert len(listed) >= 2 and all(len(listed_ids(r["prompt"][-1]["content"])) >= 2 for r in starts)
+    for room in listed:
+        booking = [{"role": "assistant", "content": call("book_room", room_id=room["room_id"])}]
+        in_full = play(env, request, [search, booking[0]["content"]])
+        score = env.score_episode(None, tokenizer, booking, request=request, starts_at="booking")
+        assert score == env.score_episode(None, tokenizer, in_full, request=request)
+        assert score == (1.0 if env.fits(room, request) else pytest.approx(0.3 + 0.6 * 3 / 4))
+    unlisted = next(i for i in env.rooms if i not in listed_ids(opening[-1]["content"]))
+    assert env.score_episode(None, tokenizer, [{"role": "assistant", "content": call("book_room", room_id=unlisted)}],
+                             request=request, starts_at="booking") == 0.2  # the search was right; the room unseen
+    seed_style = HotelSeedEnv(booking_starts=1.0, **kwargs)  # the documents' way scores it the same
+    assert seed_style.score_episode(None, tokenizer, call("book_room", room_id=listed[0]["room_id"]), request=request,
+                                    starts_at="booking") == env.score_episode(
+        None, tokenizer, [{"role": "assistant", "content": call("book_room", room_id=listed[0]["room_id"])}],
+        request=request, starts_at="booking")
+    split = lambda e, ds: split_heldout(ds, EvalConfig(), "hotel", e.heldout_group_by)  # noqa: E731
+    test, trained = split(env, both).test, split(env, both).train
+    assert test["prompt"] == split(plain, full).test["prompt"] and set(test["starts_at"]) == {"request"}
+    assert not {json.dumps(r, sort_keys=True) for r in test["request"]} & {
+        json.dumps(r["request"], sort_keys=True) for r in trained}
+    with pytest.raises(ValueError, match="booking_starts"):
+        HotelEnv(booking_starts=1.5)
+
+
 def test_parse_tool_calls():
     assert parse_tool_calls('<tool_call>{"name": "x", "arguments": {"a": 1}}</tool_call>') == [
         {"name": "x", "arguments": {"a": 1}}

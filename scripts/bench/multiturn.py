@@ -68,6 +68,7 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
     chained, rebased = history("env/turn_samples_chained"), history("env/turn_calls_rebased")
     return {"mode": mode, "seed": seed, "before": r.eval_before, "after": r.eval_after, "steps": r.steps,
             "reads_features": reads_features(env, Path(r.run_dir) / ledger.FILE),
+            "train_reads": reads_features(env, Path(r.run_dir) / ledger.FILE, "train", r.steps * 2 // 3),
             "turn_rows": statistics.fmean(turns) if turns else None,
             "chained": statistics.fmean(chained) if chained else None,
             "rebased": statistics.fmean(rebased) if rebased else None,
@@ -76,18 +77,22 @@ def run(mode: str, seed: int, minutes: float, overrides: list[str], out: Path) -
             "rewards": r.rewards, "wall_s": wall}
 
 
-def reads_features(env: HotelEnv, path: Path) -> tuple[int, int]:
-    """Of the held-out episodes after training whose search listed first a room that misses a wish while another
-    listed room meets them all: how many booked a room meeting every wish (the first-listed shortcut books none; a
-    policy that books the last room listed may book them all: compare its success with the scripted "last listed").
-    A seed-style env's ledger keeps its first reply alone: the listing is the env's reply to it (the same order the
-    episode saw: a search's order follows the call written)."""
+def reads_features(env: HotelEnv, path: Path, split: str = "test_after", from_step: int = 0) -> tuple[int, int]:
+    """Of the held-out episodes after training (or, with split="train", the training episodes from `from_step` on)
+    whose search listed first a room that misses a wish while another listed room meets them all: how many booked a
+    room meeting every wish (the first-listed shortcut books none; a policy that books the last room listed may book
+    them all: compare its success with the scripted "last listed"). A booking start's listing is its opening's last
+    message (env.booking_starts). A seed-style env's ledger keeps its first reply alone: the listing is the env's
+    reply to it (the same order the episode saw: a search's order follows the call written)."""
     hard = right = 0
     for e in ledger.read(path):
-        request = (e.get("row") or {}).get("request")
-        if e["split"] != "test_after" or request is None:
+        row = e.get("row") or {}
+        request = row.get("request")
+        if e["split"] != split or request is None or (e.get("step") or 0) < from_step:
             continue
         messages = e.get("messages") or [{"role": "assistant", "content": e["completion"]}]
+        if row.get("starts_at") == "booking":
+            messages = [e["prompt"][-1], *messages]
         tool = next((m for m in messages if m.get("role") == "tool"), None)
         if tool is None:  # a seed-style episode: the env's reply to its first turn
             tool = env.reply(messages[:1], request) or {}
@@ -147,7 +152,7 @@ def report(rows: list[dict], args, reference: dict[str, tuple[float, float]]) ->
     print()
     harness.machine(f"{args.minutes:g} min of training per run; overrides {args.overrides}")
     table = harness.Table("mode      ", "seed", "mean reward", "gain (+- SE)", "success", "steps", "s/step",
-                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "reads features", "turn rows",
+                          "wall", "wait before step 1", "train reward first 3 -> last 3", "flat groups", "reads features", "train reads (last third)", "turn rows",
                           "chained", "rebased")
     for r in rows:
         b, a, curve = r["before"], r["after"], r["rewards"]
@@ -156,7 +161,7 @@ def report(rows: list[dict], args, reference: dict[str, tuple[float, float]]) ->
                   f"{b['success_rate']:.2f} -> {a['success_rate']:.2f}", r["steps"], f"{r['s_per_step']:.1f}",
                   f"{r['wall_s'] / 60:.1f} min", f"{r['wait_before_first_step']:.0f} s",
                   f"{statistics.fmean(curve[:3]):.3f} -> {statistics.fmean(curve[-3:]):.3f}",
-                  f"{r['flat_groups'] or 0:.2f}", "{}/{}".format(*r["reads_features"]), *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("turn_rows", "chained", "rebased")))
+                  f"{r['flat_groups'] or 0:.2f}", "{}/{}".format(*r["reads_features"]), "{}/{}".format(*r.get("train_reads", (0, 0))), *(f"{r[k]:.1f}" if r.get(k) is not None else "-" for k in ("turn_rows", "chained", "rebased")))
     for mode in args.modes:
         mine = [r for r in rows if r["mode"] == mode]
         if mine:

@@ -81,6 +81,7 @@ class HotelEnv:
         format_credit: str = "any",
         ask_to_search: bool = False,
         listing_hint: bool = False,
+        booking_starts: float = 0.0,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -96,6 +97,9 @@ class HotelEnv:
         self.format_credit = format_credit
         self.ask_to_search = ask_to_search
         self.listing_hint = listing_hint
+        if not 0.0 <= booking_starts <= 1.0:
+            raise ValueError(f"booking_starts={booking_starts!r}: a share of the requests, from 0.0 (none) to 1.0")
+        self.booking_starts = booking_starts
         rng = random.Random(seed)
         self.rooms = {}
         for city in CITIES:
@@ -109,6 +113,7 @@ class HotelEnv:
                 }
         self.seed = seed
 
+    heldout_group_by = ["request"]  # a request's booking-start row stays on its full episode's side of the split
     describes_tools = True  # SYSTEM names both tools and the call format: no tools preamble on templates without tools
 
     def get_tools(self) -> list[dict]:
@@ -146,12 +151,31 @@ class HotelEnv:
                 "max_price": target["price"] + slack,
                 "features": wishes,
             }
-            rows.append({"prompt": self._opening(request), "request": request})
+            rows.append({"prompt": self._opening(request), "request": request, "starts_at": "request"})
+        # booking starts go after every full row: the held-out split (grouped by request) then keeps the same test
+        # requests, each as its full episode, and a test request's booking start is never trained on
+        pick = random.Random(self.seed + 2)
+        for row in list(rows):
+            listing = self._given(row["request"], "booking")[-1]["content"]
+            if len(listed_ids(listing)) > 1 and pick.random() < self.booking_starts:  # one room: no choice to learn
+                rows.append({"prompt": self._opening(row["request"], "booking"), "request": row["request"],
+                             "starts_at": "booking"})
         return Dataset.from_list(rows)
 
-    def _opening(self, request: dict) -> list[dict]:
+    def _opening(self, request: dict, starts_at: str = "request") -> list[dict]:
         return [{"role": "system", "content": SYSTEM}] + self._worked_example() * min(self.num_shot, 1) + [
-            {"role": "user", "content": _ask(request, self.ask_to_search)}]
+            {"role": "user", "content": _ask(request, self.ask_to_search)}] + self._given(request, starts_at)
+
+    def _given(self, request: dict, starts_at: str) -> list[dict]:
+        """The turns a row's opening has already played: none for a full episode ("request"); for a booking start
+        ("booking", env.booking_starts) the right search, written as the scripted policy writes it, and the env's
+        listing for it (in the order that call gets), so the assistant's first turn is the booking."""
+        if starts_at == "request":
+            return []
+        if starts_at != "booking":
+            raise ValueError(f"starts_at={starts_at!r}: a hotel row starts at 'request' or 'booking'")
+        search = [{"role": "assistant", "content": right_search(request)}]
+        return [*search, self.reply(search, request)]
 
     def _worked_example(self) -> list[dict]:
         """One solved booking (search, result, booking), so a small model sees the tool-call format."""
@@ -224,7 +248,7 @@ class HotelEnv:
         key = f"{self.seed}|{json.dumps(request, sort_keys=True)}|{call}|"
         return sorted(rooms, key=lambda r: hashlib.sha256((key + r["room_id"]).encode()).digest())
 
-    def score_turn(self, messages: list[dict], request: dict, **_) -> float:
+    def score_turn(self, messages: list[dict], request: dict, **_) -> float:  # a booking start's search is in messages
         """runtime.turn_credit=turn: a little credit (0.1) for an assistant turn whose tool call is useful, the
         episode's first search in the guest's city or the booking of a room a search showed; 0 otherwise. The
         episode's reward (up to 1) still decides; this only tells which turn helped."""
@@ -241,9 +265,12 @@ class HotelEnv:
                 return 0.1
         return 0.0
 
-    def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict, **_) -> float:
-        """`completion`: the episode's messages after the opening (or, from older callers, the first reply)."""
+    def score_episode(self, model, tokenizer, completion: list[dict] | str, request: dict,
+                      starts_at: str = "request", **_) -> float:
+        """`completion`: the episode's messages after the opening (or, from older callers, the first reply). A
+        booking start's episode is scored with its opening's search and listing before it."""
         messages = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+        messages = [*self._given(request, starts_at), *messages]
         searched = well_formed = False
         shown: set[str] = set()  # room ids the env's search results listed so far
         for message in messages:
@@ -311,10 +338,10 @@ class HotelSeedEnv(HotelEnv):
 
     respond = None  # the env runs its own turns
 
-    def score_episode(self, model, tokenizer, completion, request: dict, **_) -> float:
+    def score_episode(self, model, tokenizer, completion, request: dict, starts_at: str = "request", **_) -> float:
         text = completion if isinstance(completion, str) else "".join(
             str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
-        opening = self._opening(request)
+        opening = self._opening(request, starts_at)
         messages = [*opening, {"role": "assistant", "content": text}]
         for _turn in range(self.max_turns - 1):
             reply = self.reply(messages, request)
@@ -328,4 +355,4 @@ class HotelSeedEnv(HotelEnv):
                                  max_new_tokens=self.turn_max_new_tokens)
             answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
-        return super().score_episode(model, tokenizer, messages[len(opening):], request)
+        return super().score_episode(model, tokenizer, messages[len(opening):], request, starts_at)
