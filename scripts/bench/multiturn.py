@@ -7,6 +7,9 @@
   (c) seed-steps: HotelSeedEnv as written, runtime.train_env_calls=true (the default): every turn its own
       model.generate calls sampled is trained as a row of its own, with the episode's advantage.
   (d) turn-credit: (b) with runtime.turn_credit=turn: each turn its own advantage (HotelEnv.score_turn).
+  booking-only: a diagnostic, not a mode of training: only the rows env.booking_starts adds (the right search and
+      its listing given), in training and held out, so the run says whether the booking turn alone learns to read
+      the wished feature (held-out requests: those whose listing has 2+ rooms; pass eval.num_prompts=24).
 
 For each mode and seed: held-out (unique test requests, greedy episodes) mean reward, gain +- SE and success rate
 before -> after, steps, seconds per step, the wait before the first training step,
@@ -38,11 +41,20 @@ from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking import ledger
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
+class BookingOnly(HotelEnv):
+    """A diagnostic, not a way to train: only env.booking_starts rows (the right search and its listing given), held
+    out too, so the runs says whether the booking turn alone learns to read the wished feature."""
+
+    def build_dataset(self, tokenizer):
+        return super().build_dataset(tokenizer).filter(lambda row: row["starts_at"] == "booking")
+
+
 MODES = {  # mode -> (env class, overrides)
     "first-turn": (HotelSeedEnv, ["runtime.train_env_calls=false"]),
     "trajectory": (HotelEnv, []),
     "seed-steps": (HotelSeedEnv, []),
     "turn-credit": (HotelEnv, ["runtime.turn_credit=turn"]),
+    "booking-only": (BookingOnly, ["env.booking_starts=1.0"]),
 }
 
 
@@ -81,8 +93,8 @@ def reads_features(env: HotelEnv, path: Path, split: str = "test_after", from_st
     """Of the held-out episodes after training (or, with split="train", the training episodes from `from_step` on)
     whose search listed first a room that misses a wish while another listed room meets them all: how many booked a
     room meeting every wish (the first-listed shortcut books none; a policy that books the last room listed may book
-    them all: compare its success with the scripted "last listed"). A booking start's listing is its opening's last
-    message (env.booking_starts). A seed-style env's ledger keeps its first reply alone: the listing is the env's
+    them all: compare its success with the scripted "last listed"). A booking start's listing is its opening's
+    (env.booking_starts). A seed-style env's ledger keeps its first reply alone: the listing is the env's
     reply to it (the same order the episode saw: a search's order follows the call written)."""
     hard = right = 0
     for e in ledger.read(path):
@@ -91,8 +103,7 @@ def reads_features(env: HotelEnv, path: Path, split: str = "test_after", from_st
         if e["split"] != split or request is None or (e.get("step") or 0) < from_step:
             continue
         messages = e.get("messages") or [{"role": "assistant", "content": e["completion"]}]
-        if row.get("starts_at") == "booking":
-            messages = [e["prompt"][-1], *messages]
+        messages = [*env._given(request, row.get("starts_at", "request")), *messages]  # a booking start's listing
         tool = next((m for m in messages if m.get("role") == "tool"), None)
         if tool is None:  # a seed-style episode: the env's reply to its first turn
             tool = env.reply(messages[:1], request) or {}

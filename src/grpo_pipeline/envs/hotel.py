@@ -29,6 +29,12 @@ order that changes with the exact call the assistant wrote (fixed for a given ca
 episode sees the same order every time): the first room listed is then right on 67% of the normal requests on
 average (72% in the fixed order), episodes that wrote their search differently may see different rooms first, and
 only reading the features books the right room reliably (docs/results.md, 2026-12-07 afternoon).
+The four options are off here and on in conf/env/hotel.yaml (env=hotel's defaults since 2026-12-07 late night).
+`booking_starts` (a share, default 0) adds, for that share of the requests whose right search lists 2+ rooms, a row
+whose opening already holds that search and its listing (`starts_at="booking"`), so a group compares bookings from
+one listing; the held-out split groups rows by request, so the test requests are the same full episodes. Measured:
+1.0 broke the search on seed 23 (its booking argument leaked into the search call) and taught "book the last listed",
+not reading (docs/results.md, 2026-12-07 late night); kept for scripts/bench/multiturn.py --modes booking-only.
 """
 
 import hashlib
