@@ -41,6 +41,7 @@ from grpo_pipeline.recipe import train
 from grpo_pipeline.tracking import ledger
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
+
 class BookingOnly(HotelEnv):
     """A diagnostic, not a way to train: only env.booking_starts rows (the right search and its listing given), held
     out too, so the runs says whether the booking turn alone learns to read the wished feature."""

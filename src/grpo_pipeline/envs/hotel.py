@@ -161,7 +161,7 @@ class HotelEnv:
         # booking starts go after every full row: the held-out split (grouped by request) then keeps the same test
         # requests, each as its full episode, and a test request's booking start is never trained on
         pick = random.Random(self.seed + 2)
-        for row in list(rows):
+        for row in list(rows) if self.booking_starts else []:
             listing = self._given(row["request"], "booking")[-1]["content"]
             if len(listed_ids(listing)) > 1 and pick.random() < self.booking_starts:  # one room: no choice to learn
                 rows.append({"prompt": self._opening(row["request"], "booking"), "request": row["request"],
