@@ -36,8 +36,7 @@ from hydra.core.global_hydra import GlobalHydra
 from grpo_pipeline.config import CONFIG_DIR
 from grpo_pipeline.config.schema import register_configs
 from grpo_pipeline.envs.hotel import HotelEnv, HotelSeedEnv, listed_ids, right_search, tool_call
-from grpo_pipeline.evaluation.heldout import split_heldout
-from grpo_pipeline.recipe import train
+from grpo_pipeline.recipe import _split, train
 from grpo_pipeline.tracking import ledger
 from grpo_pipeline.tracking.mlflow_run import default_tracking_uri, metric_history
 
@@ -124,7 +123,7 @@ def scripted(cfg) -> dict[str, tuple[float, float]]:
     listed (a learned policy may settle on that shortcut instead: seed 19, 2026-12-07 night, whose "reads features"
     count it fools); "oracle": the same search, then the first listed room that meets every wish."""
     env = HotelEnv(**{k: v for k, v in cfg.env.items() if k != "_target_"})
-    test = split_heldout(env.build_dataset(None), cfg.eval, "hotel").test
+    test = _split(cfg, env, env.build_dataset(None)).test  # the run's own split (grouped by request, as training)
     scores: dict[str, list[float]] = {"first listed": [], "last listed": [], "oracle": []}
     for request in test["request"]:
         messages = [{"role": "assistant", "content": right_search(request)}]

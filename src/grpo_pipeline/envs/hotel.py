@@ -162,10 +162,9 @@ class HotelEnv:
         # requests, each as its full episode, and a test request's booking start is never trained on
         pick = random.Random(self.seed + 2)
         for row in list(rows) if self.booking_starts else []:
-            listing = self._given(row["request"], "booking")[-1]["content"]
-            if len(listed_ids(listing)) > 1 and pick.random() < self.booking_starts:  # one room: no choice to learn
-                rows.append({"prompt": self._opening(row["request"], "booking"), "request": row["request"],
-                             "starts_at": "booking"})
+            given = self._given(row["request"], "booking")  # the search and its listing, played once
+            if len(listed_ids(given[-1]["content"])) > 1 and pick.random() < self.booking_starts:  # one room: no choice
+                rows.append({"prompt": [*row["prompt"], *given], "request": row["request"], "starts_at": "booking"})
         return Dataset.from_list(rows)
 
     def _opening(self, request: dict, starts_at: str = "request") -> list[dict]:
