@@ -280,3 +280,25 @@ def test_a_text_prompt_env_shows_the_model_its_tools_in_training(compose_cfg, tm
     cfg = compose_cfg(["model=tiny", "env=custom", "env._target_=text_tools.TextTools", f"output_dir={tmp_path}"])
     _, _, dataset, _ = load_env_and_dataset(cfg, None, str(tmp_path), render_tools=False)
     assert all(p.startswith("# Tools") and '"name": "search_rooms"' in p for p in dataset["prompt"])
+
+
+def test_hotel_shuffle_per_episode_gives_each_training_episode_its_own_order():
+    from grpo_pipeline.envs.hotel import right_search
+
+    per_call = HotelEnv(shuffle_results=True)
+    per_episode = HotelEnv(shuffle_results=True, shuffle_per_episode=True)
+    rows = per_call.build_dataset(None)
+    # a request whose right search lists 3+ rooms: its orders can differ
+    request = next(r["request"] for r in rows
+                   if len(per_call.search_rooms(**{k: r["request"][k] for k in ("city", "guests", "max_price")})) >= 3)
+    search = [{"role": "assistant", "content": right_search(request)}]
+
+    def order(env, seed=None):
+        return listed_ids(env.respond(search, request, episode_seed=seed)["content"])
+
+    assert order(per_episode) == order(per_call) == order(per_call, 5)  # held out (None): the call's order, as before
+    orders = {tuple(order(per_episode, seed)) for seed in range(12)}
+    assert len(orders) > 1 and {frozenset(o) for o in orders} == {frozenset(order(per_call))}  # same rooms
+    assert order(per_episode, 3) == order(per_episode, 3)  # one episode: one order
+    with pytest.raises(ValueError, match="shuffle_results=true"):
+        HotelEnv(shuffle_per_episode=True)

@@ -303,3 +303,61 @@ def test_an_episode_longer_than_vllm_max_model_len_is_refused_before_the_run(tin
                                           rf"{i} has a {prompt_tokens}-token prompt, and with "
                                           rf"runtime.max_episode_tokens=100 its episode can reach {tokens} tokens"):
         recipe._check_fits_vllm(cfg, rollout, data, "ToolEnv")
+
+
+class SeededToolEnv(ToolEnv):
+    """ToolEnv whose respond and score_episode take the runtime's `episode_seed`, and record what they got."""
+
+    def __init__(self):
+        super().__init__()
+        self.responded, self.scored = [], []
+
+    def respond(self, messages, i, episode_seed=None):
+        self.responded.append(episode_seed)
+        return {"role": "tool", "content": f"result for {i} seed {episode_seed}"}
+
+    def score_episode(self, model, tokenizer, completion, i, episode_seed=None):
+        self.scored.append((episode_seed, [m["content"] for m in completion if m["role"] == "tool"]))
+        return 0.5
+
+
+def test_each_training_episode_gets_its_own_seed_and_held_out_ones_none(compose_cfg, tmp_path):
+    # an env method that declares episode_seed gets, in training, one seed per episode (the same in every call of
+    # that episode: respond and score_episode), a different one for each episode of a group; held out, None
+    env = SeededToolEnv()
+    cfg = compose_cfg([*tiny_overrides(tmp_path, ["env=custom", "env._target_=unused.Env"]), "eval.enabled=true",
+                       "eval.num_prompts=4"])
+    recipe.train(cfg, launch_dir=str(tmp_path), env=env)
+    train = [(seed, tools) for seed, tools in env.scored if seed is not None]
+    held_out = [(seed, tools) for seed, tools in env.scored if seed is None]
+    assert len(train) == 8 and len({seed for seed, _ in train}) == 8  # 2 steps x 4 episodes, all different
+    assert all(isinstance(seed, int) for seed, _ in train)
+    for seed, tools in train:  # both env turns of the episode answered with the episode's own seed
+        assert tools == [tools[0]] * 2 and tools[0].endswith(f"seed {seed}")
+    assert len(held_out) == 8 and all(t[0].endswith("seed None") for _, t in held_out)  # 4 before, 4 after
+    assert sorted(s for s in env.responded if s is not None) == sorted(2 * [seed for seed, _ in train])
+
+
+def test_episode_seeds_follow_the_run_seed_and_reach_a_seed_style_env(tiny):
+    tokenizer, model = tiny
+
+    class SeedStyle:
+        def __init__(self):
+            self.got = []
+
+        def score_episode(self, model, tokenizer, completion, i, episode_seed=None):
+            self.got.append(episode_seed)
+            return 0.0
+
+    def draws(seed):
+        return EpisodeRunner(SeededToolEnv(), tokenizer, RuntimeConfig(), ["i"], seed=seed).draw_episode_seeds(4)
+
+    assert draws(7) == draws(7) != draws(8) and len(set(draws(7))) == 4
+    assert EpisodeRunner(ToolEnv(), tokenizer, RuntimeConfig(), ["i"], seed=7).draw_episode_seeds(2) == [None, None]
+    env = SeedStyle()
+    runner = EpisodeRunner(env, tokenizer, RuntimeConfig(train_env_calls=False), ["i"], sampling=SAMPLING, seed=3)
+    runner.bind(model)
+    runner.score(["a", "b", "c"], [{"i": 0}, {"i": 1}, {"i": 2}])
+    trained, env.got = env.got, []
+    runner.score(["a", "b"], [{"i": 0}, {"i": 1}], evaluation=True)
+    assert len(set(trained)) == 3 and all(isinstance(s, int) for s in trained) and env.got == [None, None]

@@ -88,6 +88,7 @@ class HotelEnv:
         ask_to_search: bool = False,
         listing_hint: bool = False,
         booking_starts: float = 0.0,
+        shuffle_per_episode: bool = False,
     ):
         if difficulty not in _DIFFICULTY_FEATURES:
             raise ValueError(f"difficulty={difficulty!r}; use one of {list(_DIFFICULTY_FEATURES)}")
@@ -97,6 +98,10 @@ class HotelEnv:
         self.turn_max_new_tokens = turn_max_new_tokens
         self.num_shot = num_shot
         self.shuffle_results = shuffle_results
+        if shuffle_per_episode and not shuffle_results:
+            raise ValueError("shuffle_per_episode=true reshuffles the order shuffle_results draws: set "
+                             "shuffle_results=true too")
+        self.shuffle_per_episode = shuffle_per_episode
         if format_credit not in ("any", "search"):
             raise ValueError(f"format_credit={format_credit!r}: use 'any' (0.1 for any well-formed tool call) or "
                              "'search' (0.1 for a well-formed search_rooms call only)")
@@ -218,12 +223,13 @@ class HotelEnv:
         return sum(checks), len(checks)
 
     # --- the episode (the runtime generates the assistant's turns; see rollout/turns.py) ---------------
-    def respond(self, messages: list[dict], request: dict, **_) -> dict | None:
+    def respond(self, messages: list[dict], request: dict, episode_seed: int | None = None, **_) -> dict | None:
         """The env's reply to the assistant's last turn: the results of its tool calls, a nudge when it called
-        none (or wrote a malformed call), or None once it has booked a room (the episode is over)."""
-        return self.reply(messages, request)
+        none (or wrote a malformed call), or None once it has booked a room (the episode is over).
+        `episode_seed`: the runtime's seed for this training episode (None held out; see shuffle_per_episode)."""
+        return self.reply(messages, request, episode_seed)
 
-    def reply(self, messages: list[dict], request: dict) -> dict | None:
+    def reply(self, messages: list[dict], request: dict, episode_seed: int | None = None) -> dict | None:
         calls = parse_tool_calls(messages[-1]["content"])
         if calls is None:
             return {"role": "user", "content": MALFORMED}
@@ -237,7 +243,7 @@ class HotelEnv:
             if name == "search_rooms":
                 found = self.search_rooms(**{k: v for k, v in args.items() if k in ("city", "guests", "max_price")})
                 if self.shuffle_results:
-                    found = self._listing_order(found, messages[-1]["content"], request)
+                    found = self._listing_order(found, messages[-1]["content"], request, episode_seed)
                 results.append(self._listing(found) if found else "no rooms match")
             else:
                 results.append(f"error: unknown tool {name!r}")
@@ -247,10 +253,13 @@ class HotelEnv:
         """A search's result as the model reads it: the rooms, then (env.listing_hint) how to book one."""
         return format_rooms(rooms) + (f"\n{LISTING_HINT}" if self.listing_hint else "")
 
-    def _listing_order(self, rooms: list[dict], call: str, request: dict) -> list[dict]:
+    def _listing_order(self, rooms: list[dict], call: str, request: dict, episode_seed: int | None = None
+                       ) -> list[dict]:
         """`rooms` in an order drawn from the assistant's exact turn and the request (sha256, not Python's salted
-        hash): two episodes that wrote their search differently see different orders, the same one the same."""
-        key = f"{self.seed}|{json.dumps(request, sort_keys=True)}|{call}|"
+        hash): two episodes that wrote their search differently see different orders, the same one the same. With
+        shuffle_per_episode, a training episode's seed joins the draw: each episode of a group sees its own order."""
+        salt = f"{episode_seed}|" if self.shuffle_per_episode and episode_seed is not None else ""
+        key = f"{self.seed}|{json.dumps(request, sort_keys=True)}|{call}|{salt}"
         return sorted(rooms, key=lambda r: hashlib.sha256((key + r["room_id"]).encode()).digest())
 
     def score_turn(self, messages: list[dict], request: dict, **_) -> float:  # a booking start's search is in messages
@@ -343,13 +352,14 @@ class HotelSeedEnv(HotelEnv):
 
     respond = None  # the env runs its own turns
 
-    def score_episode(self, model, tokenizer, completion, request: dict, starts_at: str = "request", **_) -> float:
+    def score_episode(self, model, tokenizer, completion, request: dict, starts_at: str = "request",
+                      episode_seed: int | None = None, **_) -> float:
         text = completion if isinstance(completion, str) else "".join(
             str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
         opening = self._opening(request, starts_at)
         messages = [*opening, {"role": "assistant", "content": text}]
         for _turn in range(self.max_turns - 1):
-            reply = self.reply(messages, request)
+            reply = self.reply(messages, request, episode_seed)
             if reply is None:
                 break
             messages.append(reply)

@@ -39,7 +39,7 @@ REQUIRED_METHODS = ("build_dataset", "score_episode")
 # score_episode's own arguments, TRL's reward-function arguments and the runtime's columns.
 RESERVED_COLUMNS = ("model", "tokenizer", "completion", "completions", "completion_ids", "prompts", "prompt_ids",
                     "trainer_state", "log_metric", "log_extra", "environments", "transcript", "episode_failure",
-                    "env_mask", "logprobs", "turn_scores", "opening", "self")
+                    "env_mask", "logprobs", "turn_scores", "opening", "episode_seed", "self")
 _HYDRA_KEYS = ("_target_", "_args_", "_partial_", "_convert_", "_recursive_")
 # Top-level modules imported from a launch directory -> that directory (see importable_from).
 _IMPORTED_FROM: dict[str, str] = {}
@@ -281,6 +281,18 @@ def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
+
+
+def takes_episode_seed(env: Any, method: str) -> bool:
+    """Whether `env.<method>` (respond, score_turn, score_episode) declares a parameter named `episode_seed`: the
+    runtime passes it only then (a training episode's own seed; None in held-out evaluation)."""
+    fn = getattr(env, method, None)
+    if not callable(fn):
+        return False
+    try:
+        return "episode_seed" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def build_env_dataset(env: Any, tokenizer) -> Dataset:

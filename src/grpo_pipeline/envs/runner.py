@@ -21,6 +21,7 @@ apart, and never stops the run for them.
 """
 
 import math
+import random
 import threading
 import time
 import traceback
@@ -31,7 +32,7 @@ from grpo_pipeline.config.schema import RuntimeConfig
 from grpo_pipeline.envs.batching import GenerateBatcher, ServingEvent
 from grpo_pipeline.envs.bounded import Episode, run_bounded
 from grpo_pipeline.envs.failures import FailureBudget
-from grpo_pipeline.envs.loader import env_name
+from grpo_pipeline.envs.loader import env_name, takes_episode_seed
 from grpo_pipeline.envs.policy import EpisodeAbandoned, InFlight, PolicyHandle
 from grpo_pipeline.envs.recorder import CallRecorder
 from grpo_pipeline.envs.shared_tokenizer import shared
@@ -75,9 +76,10 @@ def score_problem(value: Any) -> str | None:
 
 class EpisodeRunner:
     def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str],
-                 sampling: dict | None = None):
+                 sampling: dict | None = None, seed: int | None = None):
         """`sampling`: generate settings for the env's turns in training (e.g. {"do_sample": True,
-        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them."""
+        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them. `seed` (the run's):
+        where the env's methods take an `episode_seed`, each training episode's is drawn from it."""
         self.env = env
         self.env_name = env_name(env)
         self.tokenizer = shared(tokenizer)  # env threads share it: one call at a time (shared_tokenizer.py)
@@ -97,6 +99,18 @@ class EpisodeRunner:
         self.failures = self.timeouts = 0  # training episodes, whole run
         self.eval_failures = self.eval_timeouts = 0
         self.budget = FailureBudget(self.env_name, cfg.max_failure_rate, cfg.failure_window)
+        # env methods that declare `episode_seed`: each training episode gets its own (one draw for all its calls),
+        # a held-out episode None (the env plays it the same way every time)
+        self.seeded = {m: takes_episode_seed(env, m) for m in ("respond", "score_turn", "score_episode")}
+        self._seed_rng = random.Random(seed)
+
+    def draw_episode_seeds(self, n: int) -> list[int | None]:
+        """Seeds for `n` new training episodes (None each when no env method takes one)."""
+        return [self._seed_rng.getrandbits(31) for _ in range(n)] if any(self.seeded.values()) else [None] * n
+
+    def seed_kwargs(self, method: str, seed: int | None) -> dict:
+        """The keyword `env.<method>` gets for an episode's seed: {"episode_seed": seed} where it declares one."""
+        return {"episode_seed": seed} if self.seeded.get(method) else {}
 
     def bind(self, model) -> None:
         self.model = model
@@ -141,9 +155,11 @@ class EpisodeRunner:
         return reward
 
     def run_episodes(self, completions: list[Any], rows: list[dict], sampling: dict | None = None,
-                     skip: list[bool] | None = None, recorders: list | None = None) -> list[Episode]:
+                     skip: list[bool] | None = None, recorders: list | None = None,
+                     seeds: list[int | None] | None = None) -> list[Episode]:
         """Run score_episode for each completion (concurrently, batched generate, timeouts); raises nothing.
         `recorders` (one CallRecorder per episode, or None): keep what each episode's generate calls sampled.
+        `seeds`: each episode's `episode_seed` (None: a held-out episode's), for an env whose score_episode takes it.
         Returns once no env model call is running (every episode's model handle is revoked by then); raises
         EnvError only when a call still runs runtime.call_deadline_s after the batch ended."""
         if self.model is None:
@@ -168,8 +184,9 @@ class EpisodeRunner:
         self.model.eval()
         try:
             skip = skip or [False] * len(rows)
-            fns = [(lambda ep: None) if s else self._episode_fn(h, c, row)
-                   for h, c, row, s in zip(handles, completions, rows, skip, strict=True)]
+            seeds = seeds or [None] * len(rows)
+            fns = [(lambda ep: None) if s else self._episode_fn(h, c, row | self.seed_kwargs("score_episode", seed))
+                   for h, c, row, s, seed in zip(handles, completions, rows, skip, seeds, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
                                    on_start=lambda i: handles[i].join_batcher(),  # the batcher waits for the wave
                                    on_timeout=lambda i: handles[i].revoke(self._abandoned(i)),
@@ -245,9 +262,14 @@ class EpisodeRunner:
         if not evaluation and self.cfg.train_env_calls and self.sampling.get("do_sample"):
             episode_ids = episode_ids or [None] * len(rows)
             recorders = [CallRecorder(self.sampling, ids, self.tokenizer) for ids in episode_ids]
+        # a training episode's seed: the one its rollout drew (it rides with the transcript), else a new one
+        seeds = [None if evaluation else getattr(c, "episode_seed", None) for c in completions]
+        if not evaluation and None in seeds:
+            drawn = iter(self.draw_episode_seeds(len(seeds)))
+            seeds = [next(drawn) if s is None else s for s in seeds]
         try:
             episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,
-                                         skip=[f is not None for f in pre_failures], recorders=recorders)
+                                         skip=[f is not None for f in pre_failures], recorders=recorders, seeds=seeds)
         finally:
             if recorders is not None and self.fast_generate_done is not None:
                 self.fast_generate_done()  # the rollout's episode caches are not needed any more

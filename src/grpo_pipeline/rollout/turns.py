@@ -51,6 +51,7 @@ class Transcript(list):
     score_episode can score it (envs/trl_env.py); pickled, saved or gathered, it is a plain list."""
 
     session: Any = None
+    episode_seed: int | None = None  # a training episode's seed (env methods that declare `episode_seed` get it)
 
     def __reduce__(self):
         return list, (list(self),)
@@ -168,6 +169,9 @@ class Rollout:
         self._episode_caches = None
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
+        if sampling.get("do_sample") and hasattr(self.runner, "draw_episode_seeds"):  # held out: None
+            for t, seed in zip(trajs, self.runner.draw_episode_seeds(len(trajs)), strict=True):
+                t.messages.episode_seed = seed
         if self.stateful:
             self._start_sessions(trajs)
         policy, was_training = model, model.training
@@ -290,10 +294,16 @@ class Rollout:
             return
 
         def score(t: Trajectory) -> float:
-            return _as_turn_score(self.env.score_turn(_conversation(t), **t.row), self.env)
+            return _as_turn_score(self.env.score_turn(_conversation(t), **t.row, **self._seed("score_turn", t)),
+                                  self.env)
 
         for t, value in self._call_env(live, "score_turn", score):
             t.turn_scores.append(value)
+
+    def _seed(self, method: str, t: Trajectory) -> dict:
+        """`episode_seed=` for env.<method> where it declares one (runner.seed_kwargs), else nothing."""
+        kwargs = getattr(self.runner, "seed_kwargs", None)
+        return kwargs(method, t.messages.episode_seed) if kwargs is not None else {}
 
     def _call_env(self, live: list[Trajectory], method: str, call: Callable[[Trajectory], Any]) -> list[tuple]:
         """`call(t)` for each live episode, concurrently under the runtime's rules (runner.call_env); an episode
@@ -314,8 +324,8 @@ class Rollout:
         # a reply of the wrong type fails its episode (counted under the failure budget), like an exception
         def respond(t: Trajectory) -> list[dict] | None:
             session = t.messages.session
-            reply = session.respond(_conversation(t)) if session is not None else self.env.respond(_conversation(t),
-                                                                                                   **t.row)
+            reply = session.respond(_conversation(t)) if session is not None else self.env.respond(
+                _conversation(t), **t.row, **self._seed("respond", t))
             return _as_messages(reply, self.env)
 
         for t, replies in self._call_env(live, "respond", respond):
