@@ -30,6 +30,11 @@ episode sees the same order every time): the first room listed is then right on 
 average (72% in the fixed order), episodes that wrote their search differently may see different rooms first, and
 only reading the features books the right room reliably (docs/results.md, 2026-12-07 afternoon).
 The four options are off here and on in conf/env/hotel.yaml (env=hotel's defaults since 2026-12-07 late night).
+`shuffle_per_episode` (with shuffle_results, default off) lets a training episode's `episode_seed` (the runtime's,
+docs/envs.md) join the draw, so the 4 episodes of a group that wrote the same search see 4 orders and "book the first
+listed" is right in some and wrong in others; held-out episodes (seed None) see the call's order as before. Measured
+on untuned seed 30 (2026-12-08): held-out success 0.67 -> 0.75 whole-trajectory, 0.67 -> 0.67 seed-style, neither
+reading the wished feature on a held-out request: no better than without it, so it stays off.
 `booking_starts` (a share, default 0) adds, for that share of the requests whose right search lists 2+ rooms, a row
 whose opening already holds that search and its listing (`starts_at="booking"`), so a group compares bookings from
 one listing; the held-out split groups rows by request, so the test requests are the same full episodes. Measured:
