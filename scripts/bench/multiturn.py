@@ -138,11 +138,7 @@ search, then the first listed room that meets every wish. Only a run above "best
         booking = {"role": "assistant", "content": tool_call("book_room", {"room_id": room["room_id"]})}
         return env.score_episode(None, None, [*messages, booking], request)
 
-    # blind to the features: for each listing length, the one position that books most of these test requests right
-    best_at: dict[int, int] = {}
-    for n in {len(listed) for _, _, listed in episodes}:
-        same = [(r, listed) for r, _, listed in episodes if len(listed) == n]
-        best_at[n] = max(range(n), key=lambda i: sum(env.fits(listed[i], r) for r, listed in same))
+    best_at = best_position_per_length(env, [(request, listed) for request, _, listed in episodes])
     scores: dict[str, list[float]] = {"first listed": [], "last listed": [], "best position per length": [],
                                       "oracle": []}
     for request, messages, listed in episodes:
@@ -151,6 +147,16 @@ search, then the first listed room that meets every wish. Only a run above "best
                            ("best position per length", listed[best_at[len(listed)]]), ("oracle", fits[0])):
             scores[name].append(score(request, messages, room))
     return {name: (statistics.fmean(s), statistics.fmean(x == 1.0 for x in s)) for name, s in scores.items()}
+
+
+def best_position_per_length(env: HotelEnv, cases: list[tuple[dict, list[dict]]]) -> dict[int, int]:
+    """For each listing length among `cases` (request, rooms listed), the one position that books the most of those
+    listings right: the rule a policy blind to the wished features scores best with on them."""
+    best = {}
+    for n in {len(listed) for _, listed in cases}:
+        same = [(r, listed) for r, listed in cases if len(listed) == n]
+        best[n] = max(range(n), key=lambda i: sum(env.fits(listed[i], r) for r, listed in same))
+    return best
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import harness
 import torch
+from multiturn import best_position_per_length
 
 from grpo_pipeline.envs.hotel import HotelEnv, listed_ids, tool_call
 from grpo_pipeline.models import load_model, load_tokenizer
@@ -71,10 +72,7 @@ def scripted(env: HotelEnv, test: list[dict], orders: int) -> dict[str, float]:
                 k: row["request"][k] for k in ("city", "guests", "max_price")})}]
             listed = [env.rooms[i] for i in listed_ids(env.reply(search, row["request"], seed)["content"])]
             cases.append((row["request"], listed))
-    best = {}
-    for n in {len(listed) for _, listed in cases}:
-        same = [(r, listed) for r, listed in cases if len(listed) == n]
-        best[n] = max(range(n), key=lambda i: sum(env.fits(listed[i], r) for r, listed in same))
+    best = best_position_per_length(env, cases)
     return {"first listed": statistics.fmean(env.fits(listed[0], r) for r, listed in cases),
             "best position per length": statistics.fmean(env.fits(listed[best[len(listed)]], r) for r, listed in cases),
             "oracle": statistics.fmean(any(env.fits(x, r) for x in listed) for r, listed in cases)}
