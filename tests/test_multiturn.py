@@ -2,6 +2,7 @@
 env's tokens masked out of the loss, every assistant turn trained, budgets, failures, the hotel env."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -331,6 +332,8 @@ def test_each_training_episode_gets_its_own_seed_and_held_out_ones_none(compose_
     train = [(seed, tools) for seed, tools in env.scored if seed is not None]
     held_out = [(seed, tools) for seed, tools in env.scored if seed is None]
     assert len(train) == 8 and len({seed for seed, _ in train}) == 8  # 2 steps x 4 episodes, all different
+    stream = random.Random(f"{cfg.seed}|0")  # the run's seed and this process's rank: a rerun draws the same
+    assert {seed for seed, _ in train} == {stream.getrandbits(31) for _ in range(8)}
     assert all(isinstance(seed, int) for seed, _ in train)
     for seed, tools in train:  # both env turns of the episode answered with the episode's own seed
         assert tools == [tools[0]] * 2 and tools[0].endswith(f"seed {seed}")

@@ -156,7 +156,7 @@ def prepare(cfg: DictConfig, launch_dir: str | None = None, overrides: list[str]
     given, cfg = cfg, plan.applied(cfg)  # the run's config: the step fitted to the data; the one given is kept
     extra_columns = [c for c in dataset.column_names if c != "prompt"]
     runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra_columns, sampling=sampling(cfg.generation),
-                           seed=cfg.seed)
+                           seed=f"{cfg.seed}|{os.environ.get('RANK', '0')}")  # each process its own episode seeds
     rollout = make_rollout(plan, env, tokenizer, runner, lambda: model_dir(cfg.model))  # None: TRL generates
     if rollout is not None and rollout.multi_turn:
         rollout.check_template(dataset[0]["prompt"], cfg.model.name)  # at startup, not at the first env turn

@@ -76,10 +76,10 @@ def score_problem(value: Any) -> str | None:
 
 class EpisodeRunner:
     def __init__(self, env: Any, tokenizer, cfg: RuntimeConfig, extra_columns: list[str],
-                 sampling: dict | None = None, seed: int | None = None):
+                 sampling: dict | None = None, seed: int | str | None = None):
         """`sampling`: generate settings for the env's turns in training (e.g. {"do_sample": True,
-        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them. `seed` (the run's):
-        where the env's methods take an `episode_seed`, each training episode's is drawn from it."""
+        "temperature": 0.7, "top_k": 0, "top_p": 1.0}), filled into calls that do not set them. `seed` (the run's and
+        the process's): where the env's methods take an `episode_seed`, each training episode's is drawn from it."""
         self.env = env
         self.env_name = env_name(env)
         self.tokenizer = shared(tokenizer)  # env threads share it: one call at a time (shared_tokenizer.py)
@@ -184,7 +184,7 @@ class EpisodeRunner:
         self.model.eval()
         try:
             skip = skip or [False] * len(rows)
-            seeds = seeds or [None] * len(rows)
+            seeds = seeds or [getattr(c, "episode_seed", None) for c in completions]  # a transcript's own
             fns = [(lambda ep: None) if s else self._episode_fn(h, c, row | self.seed_kwargs("score_episode", seed))
                    for h, c, row, s, seed in zip(handles, completions, rows, skip, seeds, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
@@ -265,7 +265,7 @@ class EpisodeRunner:
         # a training episode's seed: the one its rollout drew (it rides with the transcript), else a new one
         seeds = [None if evaluation else getattr(c, "episode_seed", None) for c in completions]
         if not evaluation and None in seeds:
-            drawn = iter(self.draw_episode_seeds(len(seeds)))
+            drawn = iter(self.draw_episode_seeds(seeds.count(None)))
             seeds = [next(drawn) if s is None else s for s in seeds]
         try:
             episodes = self.run_episodes(completions, rows, GREEDY if evaluation else None,

@@ -169,7 +169,7 @@ class Rollout:
         self._episode_caches = None
         limit = min(self.turn_tokens, turn_tokens or self.turn_tokens)
         trajs = [self._start(p, r) for p, r in zip(prompts, rows, strict=True)]
-        if sampling.get("do_sample") and hasattr(self.runner, "draw_episode_seeds"):  # held out: None
+        if self.multi_turn and sampling.get("do_sample") and hasattr(self.runner, "draw_episode_seeds"):  # held out: None
             for t, seed in zip(trajs, self.runner.draw_episode_seeds(len(trajs)), strict=True):
                 t.messages.episode_seed = seed
         if self.stateful:

@@ -89,7 +89,7 @@ def run_check(cfg: DictConfig) -> Report:
     model = load_model(cfg.model, tokenizer)
     gen = cfg.generation
     sample = sampling(gen)
-    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sample)
+    runner = EpisodeRunner(env, tokenizer, cfg.runtime, extra, sampling=sample, seed=cfg.seed)
     runner.bind(model)
     row_dicts = [{k: rows[i][k] for k in extra} for i in range(len(rows)) for _ in range(group)]
     plan = make_plan(cfg, env, tokenizer, Split(dataset, None, None), [], name)
@@ -357,7 +357,8 @@ class Prober(Scorer):
             for prompt, text, row in cases:
                 turn = conversation(prompt, [{"role": "assistant", "content": text}])  # as the runtime calls it
                 try:
-                    out.append(float(self.runner.env.score_turn(turn, **row)))
+                    out.append(float(self.runner.env.score_turn(turn, **row,
+                                                                **self.runner.seed_kwargs("score_turn", None))))
                 except Exception as e:  # noqa: BLE001 (an env's own code: reported, never fatal to the report)
                     r.warnings.append(f"score_turn raised {e.__class__.__name__}: {e} on {text[:40]!r}: an env "
                                       "should score any turn the model may write, not raise.")
