@@ -22,7 +22,7 @@ import harness
 import torch
 from multiturn import best_position_per_length
 
-from grpo_pipeline.envs.hotel import HotelEnv, listed_ids, tool_call
+from grpo_pipeline.envs.hotel import HotelEnv, listed_ids, right_search
 from grpo_pipeline.models import load_model, load_tokenizer
 from grpo_pipeline.recipe import _split
 from grpo_pipeline.rollout.turns import SharedPrefix, generate
@@ -68,8 +68,7 @@ def scripted(env: HotelEnv, test: list[dict], orders: int) -> dict[str, float]:
     cases = []
     for row in test:
         for seed in [None, *range(1, orders)]:
-            search = [{"role": "assistant", "content": tool_call("search_rooms", {
-                k: row["request"][k] for k in ("city", "guests", "max_price")})}]
+            search = [{"role": "assistant", "content": right_search(row["request"])}]
             listed = [env.rooms[i] for i in listed_ids(env.reply(search, row["request"], seed)["content"])]
             cases.append((row["request"], listed))
     best = best_position_per_length(env, cases)

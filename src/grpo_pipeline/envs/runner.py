@@ -50,6 +50,11 @@ def completion_text(completion: Any) -> str:
     return "".join(str(m.get("content") or "") for m in completion if m.get("role") == "assistant")
 
 
+def carried_seeds(completions: list[Any]) -> list[int | None]:
+    """Each episode's `episode_seed` as its rollout drew it (a multi-turn transcript carries it), else None."""
+    return [getattr(c, "episode_seed", None) for c in completions]
+
+
 def as_real(value: Any) -> float | None:
     """A plain real number (ints, floats, numpy scalars, 0-d numpy arrays and tensors), else None."""
     if isinstance(value, bool):
@@ -184,7 +189,7 @@ class EpisodeRunner:
         self.model.eval()
         try:
             skip = skip or [False] * len(rows)
-            seeds = seeds or [getattr(c, "episode_seed", None) for c in completions]  # a transcript's own
+            seeds = seeds or carried_seeds(completions)
             fns = [(lambda ep: None) if s else self._episode_fn(h, c, row | self.seed_kwargs("score_episode", seed))
                    for h, c, row, s, seed in zip(handles, completions, rows, skip, seeds, strict=True)]
             episodes = run_bounded(fns, self.max_workers, self.cfg.episode_timeout_s,
@@ -263,7 +268,7 @@ class EpisodeRunner:
             episode_ids = episode_ids or [None] * len(rows)
             recorders = [CallRecorder(self.sampling, ids, self.tokenizer) for ids in episode_ids]
         # a training episode's seed: the one its rollout drew (it rides with the transcript), else a new one
-        seeds = [None if evaluation else getattr(c, "episode_seed", None) for c in completions]
+        seeds = [None] * len(completions) if evaluation else carried_seeds(completions)
         if not evaluation and None in seeds:
             drawn = iter(self.draw_episode_seeds(seeds.count(None)))
             seeds = [next(drawn) if s is None else s for s in seeds]
